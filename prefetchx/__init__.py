@@ -1,0 +1,10 @@
+"""prefetchx: a drop-in PyTorch DataLoader that stops training from waiting for data."""
+
+from __future__ import annotations
+
+from prefetchx._loader import DataLoaderX
+from prefetchx._thread_stage import ThreadStage
+
+__all__ = ["DataLoaderX", "ThreadStage"]
+
+__version__ = "0.1.0.dev0"

@@ -1,0 +1,67 @@
+"""Shared fixtures: every test must leave no prefetchx thread and no worker process behind."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+LEAK_WAIT = 15.0
+"""Seconds a test's threads and workers get to end after it returns (a worker that is busy with a
+batch finishes it first); far above the usual few milliseconds."""
+
+
+def _prefetchx_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("prefetchx-")]
+
+
+def _worker_processes(before: set[int]) -> list[psutil.Process]:
+    alive = []
+    for child in psutil.Process().children(recursive=True):
+        if child.pid in before:
+            continue
+        try:
+            cmdline = " ".join(child.cmdline())
+            if "forkserver" in cmdline or "resource_tracker" in cmdline:
+                continue  # multiprocessing's own helpers, shared by all tests
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+        except psutil.NoSuchProcess:
+            continue
+        alive.append(child)
+    return alive
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[None]:
+    """Fail a test that leaves a ``prefetchx-*`` thread or a worker process running."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+    deadline = time.monotonic() + LEAK_WAIT
+    while True:
+        gc.collect()
+        threads = _prefetchx_threads()
+        workers = _worker_processes(before)
+        if not threads and not workers:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(
+                f"test leaked threads {[t.name for t in threads]} "
+                f"and worker processes {[w.pid for w in workers]}"
+            )
+        time.sleep(0.05)
+
+
+def wait_until(predicate: object, timeout: float = 10.0) -> bool:
+    """Poll ``predicate()`` until it is true or ``timeout`` seconds have passed."""
+    assert callable(predicate)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return bool(predicate())

@@ -1,0 +1,95 @@
+"""Datasets and helpers the tests share."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+
+class Squares(Dataset[torch.Tensor]):
+    """``n`` items; item ``i`` is ``[i, i*i]``. Optionally fails at one index or sleeps."""
+
+    def __init__(
+        self,
+        n: int,
+        *,
+        fail_at: int | None = None,
+        error: BaseException | None = None,
+        delay: float = 0.0,
+    ) -> None:
+        self.n = n
+        self.fail_at = fail_at
+        self.error = error if error is not None else ValueError(f"boom at index {fail_at}")
+        self.delay = delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.delay:
+            time.sleep(self.delay)
+        if i == self.fail_at:
+            raise self.error
+        return torch.tensor([i, i * i])
+
+
+class Counting(Dataset[int]):
+    """Counts the items produced, so a test can see how far ahead the loader runs."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.produced = 0
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        with self.lock:
+            self.produced += 1
+        return i
+
+
+class Gated(Dataset[int]):
+    """Item ``block_at`` waits for ``gate`` before it is returned (num_workers=0 only)."""
+
+    def __init__(self, n: int, block_at: int) -> None:
+        self.n = n
+        self.block_at = block_at
+        self.gate = threading.Event()
+        self.reached = threading.Event()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i == self.block_at:
+            self.reached.set()
+            self.gate.wait(30)
+        return i
+
+
+class Stream(IterableDataset[int]):
+    """An iterable dataset of ``range(n)``, sharded across workers, that remembers its threads."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.iter_threads: list[str] = []
+
+    def __iter__(self) -> Iterator[int]:
+        self.iter_threads.append(threading.current_thread().name)
+        info = get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        return iter(range(start, self.n, step))
+
+
+def as_lists(batches: object) -> list[object]:
+    """Batches as plain Python values, for equality checks."""
+    out = []
+    for batch in batches:  # type: ignore[attr-defined]
+        out.append(batch.tolist() if isinstance(batch, torch.Tensor) else batch)
+    return out

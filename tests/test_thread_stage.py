@@ -1,0 +1,159 @@
+"""The thread stage on its own: ordering, end of stream, failures, lifecycle, memory bound."""
+
+from __future__ import annotations
+
+import gc
+import queue
+import threading
+import traceback
+from collections.abc import Iterator
+
+import pytest
+
+from prefetchx import ThreadStage
+from prefetchx._engine import Failure, get_from
+from tests.conftest import wait_until
+
+
+class Abort(BaseException):
+    """A BaseException that is not an Exception, as prefetch_generator lets slip."""
+
+
+def _gen(n: int, *, fail: BaseException | None = None) -> Iterator[object]:
+    yield from range(n)
+    if fail is not None:
+        raise fail
+
+
+def test_yields_every_item_in_order_including_none() -> None:
+    items = [None, 0, None, "x", None]
+    with ThreadStage(iter(items), max_prefetch=2) as stage:
+        assert list(stage) == items
+
+
+def test_empty_source_ends_at_once() -> None:
+    stage = ThreadStage(iter([]), max_prefetch=3)
+    with pytest.raises(StopIteration):
+        next(stage)
+    with pytest.raises(StopIteration):
+        next(stage)
+
+
+@pytest.mark.parametrize("max_prefetch", [0, 1, 2, 8])
+def test_same_items_for_any_depth(max_prefetch: int) -> None:
+    assert list(ThreadStage(_gen(50), max_prefetch)) == list(range(50))
+
+
+def test_thread_is_named_daemon_and_ends_with_the_source() -> None:
+    stage = ThreadStage(_gen(3), max_prefetch=1)
+    threads = [t for t in threading.enumerate() if t.name == "prefetchx-thread"]
+    assert len(threads) == 1
+    assert threads[0].daemon
+    assert list(stage) == [0, 1, 2]
+    assert not stage.producer_alive
+
+
+def test_max_prefetch_zero_runs_no_thread() -> None:
+    seen: list[str] = []
+
+    def source() -> Iterator[int]:
+        for i in range(3):
+            seen.append(threading.current_thread().name)
+            yield i
+
+    stage = ThreadStage(source(), max_prefetch=0)
+    assert list(stage) == [0, 1, 2]
+    assert seen == [threading.current_thread().name] * 3
+    assert not stage.producer_alive
+
+
+@pytest.mark.parametrize(
+    "error",
+    [ValueError("bad item"), KeyError("k"), Abort("stop now"), KeyboardInterrupt(), SystemExit(3)],
+)
+def test_producer_failure_reaches_consumer_with_type_and_traceback(error: BaseException) -> None:
+    stage = ThreadStage(_gen(2, fail=error), max_prefetch=2)
+    assert next(stage) == 0
+    assert next(stage) == 1
+    with pytest.raises(type(error)) as info:
+        next(stage)
+    assert info.value is error
+    frames = [frame.name for frame in traceback.extract_tb(info.value.__traceback__)]
+    assert "_gen" in frames, frames  # the producer's frame where it was raised
+    assert not stage.producer_alive
+    with pytest.raises(StopIteration):  # the epoch is over after an error
+        next(stage)
+
+
+def test_close_is_idempotent_and_ends_iteration() -> None:
+    stage = ThreadStage(_gen(100), max_prefetch=2)
+    assert next(stage) == 0
+    stage.close()
+    stage.close()
+    assert not stage.producer_alive
+    with pytest.raises(StopIteration):
+        next(stage)
+
+
+def test_context_manager_stops_the_thread() -> None:
+    with ThreadStage(_gen(100), max_prefetch=2) as stage:
+        assert next(stage) == 0
+    assert not stage.producer_alive
+
+
+def test_dropped_handle_stops_the_thread_and_releases_the_source() -> None:
+    released = threading.Event()
+
+    def source() -> Iterator[int]:
+        try:
+            yield from range(10**6)
+        finally:
+            released.set()
+
+    stage = ThreadStage(source(), max_prefetch=2)
+    assert next(stage) == 0
+    del stage
+    gc.collect()
+    assert wait_until(lambda: not any(t.name == "prefetchx-thread" for t in threading.enumerate()))
+    assert released.wait(10), "the source generator was not closed when the thread ended"
+
+
+def test_queue_holds_at_most_max_prefetch_items() -> None:
+    produced = 0
+
+    def source() -> Iterator[int]:
+        nonlocal produced
+        for i in range(1000):
+            produced += 1
+            yield i
+
+    with ThreadStage(source(), max_prefetch=3) as stage:
+        assert next(stage) == 0
+        # 1 consumed + 3 queued + 1 in the producer's hand, blocked on the full queue.
+        assert wait_until(lambda: produced == 5)
+        threading.Event().wait(0.3)
+        assert produced == 5
+
+
+@pytest.mark.parametrize(
+    ("value", "exc"), [(-1, ValueError), (1.5, TypeError), ("2", TypeError), (True, TypeError)]
+)
+def test_bad_max_prefetch_is_refused(value: object, exc: type[Exception]) -> None:
+    with pytest.raises(
+        exc,
+        match=rf"`max_prefetch`.*{value!r}"
+        if exc is TypeError
+        else r"`max_prefetch` must be >= 0, got -1",
+    ):
+        ThreadStage(iter([]), max_prefetch=value)  # type: ignore[arg-type]
+
+
+def test_get_from_reports_a_producer_that_died_silently() -> None:
+    q: queue.Queue[object] = queue.Queue(1)
+    dead = threading.Thread(target=lambda: None, name="prefetchx-test-dead")
+    dead.start()
+    dead.join()
+    value = get_from(q, dead, threading.Event())
+    assert isinstance(value, Failure)
+    assert isinstance(value.exc, RuntimeError)
+    assert "prefetchx-test-dead" in str(value.exc)
