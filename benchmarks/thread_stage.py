@@ -1,0 +1,82 @@
+"""Thread stage benchmark: plain DataLoader vs the BackgroundGenerator recipe vs DataLoaderX.
+
+A loop whose batches cost ``data`` ms of sleep to produce and ``step`` ms of sleep to train on,
+over a grid of costs and queue depths. Arms are interleaved in one process; figures are medians.
+
+Usage:
+    python benchmarks/thread_stage.py [--rounds 5] [--json benchmarks/results/thread_stage-cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import torch
+
+from prefetchx import __version__
+from prefetchx._bench import Case, as_rows, format_table, measure
+
+GRID = [
+    Case(5, 5, 100),
+    Case(2, 2, 200),
+    Case(10, 5, 60),
+    Case(5, 10, 60),
+    Case(0, 5, 60),
+    Case(5, 0, 60),
+    Case(0, 0, 2000),
+]
+
+
+def _commit() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=here,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--depths", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    meta = {
+        "prefetchx": __version__,
+        "commit": _commit(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "rounds": args.rounds,
+    }
+    print(json.dumps(meta))
+    runs = []
+    for depth in args.depths:
+        results = []
+        for case in GRID:
+            results.extend(measure(case, args.rounds, max_prefetch=depth))
+        print(f"\nmax_prefetch={depth}")
+        print(format_table(results), flush=True)
+        runs.append({"max_prefetch": depth, "results": as_rows(results)})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "runs": runs}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
