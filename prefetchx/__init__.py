@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from prefetchx._collate import fast_collate
 from prefetchx._loader import DataLoaderX
 from prefetchx._thread_stage import ThreadStage
 
-__all__ = ["DataLoaderX", "ThreadStage"]
+__all__ = ["DataLoaderX", "ThreadStage", "fast_collate"]
 
 __version__ = "0.1.0.dev0"

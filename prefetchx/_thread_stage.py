@@ -9,9 +9,11 @@ import weakref
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
+import torch
 from prefetch_generator import BackgroundGenerator
 
 from prefetchx._checks import check_int
+from prefetchx._device import set_thread_device
 from prefetchx._engine import (
     JOIN_TIMEOUT,
     Failure,
@@ -39,8 +41,11 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
     queue: queue.Queue[Any]
     generator: Iterator[Any] | None
 
-    def __init__(self, source: Iterator[Any], max_prefetch: int, name: str) -> None:
+    def __init__(
+        self, source: Iterator[Any], max_prefetch: int, name: str, device: torch.device | None
+    ) -> None:
         self.stop_event = threading.Event()
+        self._device = device
         self.interrupted = False
         self._thread_name = name
         # BackgroundGenerator.__init__ makes Queue(max_prefetch), sets daemon, starts the thread.
@@ -56,6 +61,10 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
         self.generator = None  # the thread's frame holds the only reference from here on
         stop = self.stop_event
         try:
+            if self._device is not None:
+                # A new thread starts on device 0; CUDA work here (DataLoader pins memory in this
+                # thread when num_workers=0) would otherwise open a context on GPU 0.
+                set_thread_device(self._device)
             while not stop.is_set():
                 try:
                     item = next(source)  # type: ignore[arg-type]  # None only after the loop
@@ -114,6 +123,7 @@ class ThreadStage(Iterator[T], Generic[T]):
         max_prefetch: Items kept ready. ``0`` runs no thread: ``next()`` pulls from ``source``
             in the caller's thread, and errors are raised exactly as ``source`` raises them.
         name: The thread's name.
+        device: The accelerator the thread makes current before it starts, or ``None``.
 
     Example:
         >>> with ThreadStage(iter(range(3)), max_prefetch=2) as stage:
@@ -122,7 +132,12 @@ class ThreadStage(Iterator[T], Generic[T]):
     """
 
     def __init__(
-        self, source: Iterator[T], max_prefetch: int = 2, *, name: str = "prefetchx-thread"
+        self,
+        source: Iterator[T],
+        max_prefetch: int = 2,
+        *,
+        name: str = "prefetchx-thread",
+        device: torch.device | None = None,
     ) -> None:
         self.max_prefetch = check_int("max_prefetch", max_prefetch, minimum=0)
         self._source: Iterator[T] | None = None
@@ -131,7 +146,7 @@ class ThreadStage(Iterator[T], Generic[T]):
             self._source = source
             self._finalizer = None
         else:
-            self._producer = _Producer(source, max_prefetch, name)
+            self._producer = _Producer(source, max_prefetch, name, device)
             # Runs on close(), on garbage collection of this handle and at interpreter exit; it
             # holds the producer, never this handle.
             self._finalizer = weakref.finalize(self, self._producer.shutdown)

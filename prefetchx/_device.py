@@ -1,0 +1,128 @@
+"""Which device a loader targets, and the stream operations of that device.
+
+Nothing here runs at import: devices are probed when a loader is built.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+
+def resolve_device(device: str | torch.device | int | None) -> torch.device:
+    """The device batches go to: ``device`` checked, or the current accelerator, or the CPU.
+
+    ``None`` means the current accelerator (`torch.accelerator` where torch has it, else CUDA)
+    when one is present, and the CPU otherwise. A device without an index gets the current one,
+    so the result names one device exactly.
+
+    Raises:
+        TypeError: ``device`` is not a string, `torch.device`, int or ``None``.
+        ValueError: ``device`` is malformed, does not exist or is not available.
+    """
+    if device is None:
+        return _current_accelerator()
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise TypeError(
+            f"`device` must be a string, a torch.device, an int or None, got "
+            f"{device!r} ({type(device).__name__})."
+        )
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"`device` {device!r} is not a device: {exc}") from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"`device` {device!r}: CUDA is not available on this machine.")
+        count = torch.cuda.device_count()
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+        if index >= count:
+            raise ValueError(
+                f"`device` {device!r} does not exist: this machine has {count} CUDA "
+                f"device(s), cuda:0 to cuda:{count - 1}."
+            )
+        return torch.device("cuda", index)
+    if dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"`device` {device!r}: MPS is not available on this machine.")
+        return torch.device("mps", 0 if dev.index is None else dev.index)
+    accelerator = _accelerator_type()
+    if accelerator != dev.type:
+        raise ValueError(
+            f"`device` {device!r} is not available: the accelerator here is "
+            f"{accelerator or 'none'}."
+        )
+    count = torch.accelerator.device_count()
+    index = torch.accelerator.current_device_index() if dev.index is None else dev.index
+    if index >= count:
+        raise ValueError(
+            f"`device` {device!r} does not exist: this machine has {count} {dev.type} device(s)."
+        )
+    return torch.device(dev.type, index)
+
+
+def _accelerator_type() -> str | None:
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    if accelerator is not None:
+        if not accelerator.is_available():
+            return None
+        current = accelerator.current_accelerator()
+        return None if current is None else str(current.type)
+    return "cuda" if torch.cuda.is_available() else None
+
+
+def _current_accelerator() -> torch.device:
+    kind = _accelerator_type()
+    if kind is None:
+        return torch.device("cpu")
+    return resolve_device(kind)
+
+
+def set_thread_device(device: torch.device) -> None:
+    """Make ``device`` current in the calling thread, which starts on device 0."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif device.type not in ("cpu", "mps") and hasattr(torch, "accelerator"):
+        torch.accelerator.set_device_index(device.index)
+
+
+class CudaStreams:
+    """The CUDA stream operations the device stage uses, on one device.
+
+    The side stream is created here, once, with the device named explicitly; a loader keeps one
+    `CudaStreams` per device for its whole life. Tests substitute an object with the same methods.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.side = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]  # untyped in torch
+
+    def consumer(self) -> Any:
+        """The caller's current stream on this device."""
+        return torch.cuda.current_stream(self.device)
+
+    def on_side(self) -> AbstractContextManager[Any]:
+        """Context in which new work is queued on the side stream."""
+        return torch.cuda.stream(self.side)
+
+    def side_waits_for(self, stream: Any) -> None:
+        """Queue, on the side stream, a wait for all work queued so far on ``stream``."""
+        self.side.wait_stream(stream)
+
+    def mark_side(self) -> Any:
+        """An event recorded on the side stream after the work queued so far."""
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch
+        event.record(self.side)
+        return event
+
+    def wait(self, stream: Any, event: Any) -> None:
+        """Queue, on ``stream``, a wait for ``event``."""
+        stream.wait_event(event)
+
+    def hand_over(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Keep ``tensor``'s memory from reuse until ``stream``'s work queued so far is done."""
+        tensor.record_stream(stream)
