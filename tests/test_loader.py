@@ -170,13 +170,36 @@ def test_early_break_stops_thread_and_workers(num_workers: int) -> None:
     )
 
 
+class _Items:
+    """An iterator object a test can hold a weak reference to."""
+
+    def __init__(self, n: int) -> None:
+        self.it = iter(range(n))
+
+    def __iter__(self) -> _Items:
+        return self
+
+    def __next__(self) -> int:
+        return next(self.it)
+
+
+class _ItemStream(torch.utils.data.IterableDataset[int]):
+    def __init__(self) -> None:
+        self.iterators: list[weakref.ref[_Items]] = []
+
+    def __iter__(self) -> _Items:
+        items = _Items(10**6)
+        self.iterators.append(weakref.ref(items))
+        return items
+
+
 def test_dropped_iterator_releases_the_source_iterator() -> None:
-    loader = DataLoaderX(Squares(100), batch_size=2, num_workers=0)
-    it = iter(loader)
+    dataset = _ItemStream()
+    it = iter(DataLoaderX(dataset, batch_size=2))
     next(it)
-    source_ref = weakref.ref(it._producer)  # type: ignore[union-attr]
+    assert dataset.iterators[0]() is not None
     del it
-    assert wait_until(lambda: source_ref() is None or not source_ref().is_alive())  # type: ignore[union-attr]
+    assert wait_until(lambda: dataset.iterators[0]() is None)
     assert not _prefetchx_threads()
 
 
