@@ -56,17 +56,6 @@ def no_leaks() -> Iterator[None]:
         time.sleep(0.05)
 
 
-def wait_until(predicate: object, timeout: float = 10.0) -> bool:
-    """Poll ``predicate()`` until it is true or ``timeout`` seconds have passed."""
-    assert callable(predicate)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return bool(predicate())
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip `cuda`-marked tests cleanly where no CUDA device is present."""
     import torch

@@ -93,3 +93,14 @@ def as_lists(batches: object) -> list[object]:
     for batch in batches:  # type: ignore[attr-defined]
         out.append(batch.tolist() if isinstance(batch, torch.Tensor) else batch)
     return out
+
+
+def wait_until(predicate: object, timeout: float = 10.0) -> bool:
+    """Poll ``predicate()`` until it is true or ``timeout`` seconds have passed."""
+    assert callable(predicate)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return bool(predicate())

@@ -18,8 +18,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from prefetchx import DataLoaderX
-from tests.conftest import wait_until
-from tests.helpers import Counting, Gated, Squares, Stream, as_lists
+from tests.helpers import Counting, Gated, Squares, Stream, as_lists, wait_until
 
 
 def _prefetchx_threads() -> list[threading.Thread]:

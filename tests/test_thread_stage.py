@@ -12,7 +12,7 @@ import pytest
 
 from prefetchx import ThreadStage
 from prefetchx._engine import Failure, get_from
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 
 
 class Abort(BaseException):
