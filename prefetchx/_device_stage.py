@@ -13,6 +13,7 @@ from prefetchx._checks import check_int
 from prefetchx._device import CudaStreams
 from prefetchx._engine import Failure
 from prefetchx._normalize import Normalize
+from prefetchx._stats import EpochStats
 from prefetchx._thread_stage import ThreadStage
 
 
@@ -71,6 +72,7 @@ class DeviceStage(Iterator[Any]):
         self.device_prefetch = check_int("device_prefetch", device_prefetch, minimum=0)
         self._source: Iterator[Any] | None = source
         self._upstream = source if isinstance(source, ThreadStage) else None
+        self._own_stats = EpochStats()  # empty: only a thread stage source measures
         self._streams = streams
         self._normalize = normalize
         self._input_key = input_key
@@ -131,6 +133,11 @@ class DeviceStage(Iterator[Any]):
 
     def _copy(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.device, non_blocking=self._non_blocking)
+
+    @property
+    def stats(self) -> EpochStats:
+        """The stall meter of the thread stage behind this one."""
+        return self._upstream.stats if self._upstream is not None else self._own_stats
 
     @property
     def producer_alive(self) -> bool:

@@ -27,6 +27,9 @@ class Signal(enum.Enum):
     STOPPED = "stopped"
     """The producer was stopped before the end: the consumer raises `StopIteration`."""
 
+    PAUSED = "paused"
+    """The producer has parked at the consumer's request: the consumer now owns the source."""
+
 
 class Failure:
     """An exception raised in a producer thread, on its way to the consumer.
@@ -56,6 +59,11 @@ def put_until_stopped(q: queue.Queue[Any], item: object, stop: threading.Event) 
     Returns:
         ``True`` when the item was put, ``False`` when ``stop`` was set first.
     """
+    try:
+        q.put_nowait(item)  # the common case, without a timed wait
+        return True
+    except queue.Full:
+        pass
     while not stop.is_set():
         try:
             q.put(item, timeout=POLL_INTERVAL)
@@ -74,6 +82,10 @@ def get_from(q: queue.Queue[Any], producer: threading.Thread, stop: threading.Ev
     Returns:
         The next item, a `Signal` or a `Failure`.
     """
+    try:
+        return q.get_nowait()  # the common case, without a timed wait
+    except queue.Empty:
+        pass
     while True:
         try:
             return q.get(timeout=POLL_INTERVAL)

@@ -16,6 +16,7 @@ from prefetchx._checks import check_bool, check_input_key, check_int
 from prefetchx._device import CudaStreams, resolve_device
 from prefetchx._device_stage import DeviceStage
 from prefetchx._normalize import Normalize
+from prefetchx._stats import EpochStats
 from prefetchx._thread_stage import ThreadStage
 
 T_co = TypeVar("T_co", covariant=True)
@@ -108,6 +109,7 @@ class DataLoaderX(DataLoader[T_co]):
         self._target = resolve_device(device)
         self._streams: CudaStreams | None = None
         self._stage_ref: weakref.ref[ThreadStage[Any] | DeviceStage] | None = None
+        self._stats = EpochStats()
         if self._target.type == "cuda":
             kwargs = _pin_by_default(args, kwargs)
         super().__init__(*args, **kwargs)
@@ -133,7 +135,13 @@ class DataLoaderX(DataLoader[T_co]):
                 non_blocking=self.non_blocking,
             )
         self._stage_ref = weakref.ref(stage)
+        self._stats = stage.stats
         return stage
+
+    @property
+    def stats(self) -> EpochStats:
+        """The stall meter of the current epoch, or of the last one once it has ended."""
+        return self._stats
 
     def _normalize_batch(self, batch: Any) -> Any:
         return map_input(batch, self.input_key, self._normalize)

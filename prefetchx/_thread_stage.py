@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
@@ -16,16 +17,27 @@ from prefetchx._checks import check_int
 from prefetchx._device import set_thread_device
 from prefetchx._engine import (
     JOIN_TIMEOUT,
+    POLL_INTERVAL,
     Failure,
     Signal,
     drain,
     get_from,
     put_until_stopped,
 )
+from prefetchx._stats import FOLD_EVERY, EpochStats
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+ADAPT_WINDOW = 16
+"""Batches between two decisions of the inline switch, and the sample each decision uses."""
+
+INLINE_BELOW_S = 50e-6
+"""A median step shorter than this leaves nothing for a thread to overlap: produce inline."""
+
+THREAD_ABOVE_S = 200e-6
+"""A median step longer than this, while inline, is worth a thread again."""
 
 
 class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generator is untyped
@@ -33,20 +45,29 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
 
     `BackgroundGenerator` gives the thread, the bounded ``queue`` and the ``generator`` attribute.
     This subclass replaces its ``run``: puts are timed and re-check a stop event, every
-    `BaseException` travels to the consumer as a `Failure`, and the source iterator is released
-    as soon as the thread ends. It never references the consumer's handle, so a dropped handle
-    can be collected while the thread still runs.
+    `BaseException` travels to the consumer as a `Failure`, the source iterator is released as
+    soon as the thread ends, and the thread can park so that the consumer pulls from the source
+    itself. It never references the consumer's handle, so a dropped handle can be collected
+    while the thread still runs.
     """
 
     queue: queue.Queue[Any]
     generator: Iterator[Any] | None
 
     def __init__(
-        self, source: Iterator[Any], max_prefetch: int, name: str, device: torch.device | None
+        self,
+        source: Iterator[Any],
+        max_prefetch: int,
+        name: str,
+        device: torch.device | None,
+        stats: EpochStats,
     ) -> None:
         self.stop_event = threading.Event()
-        self._device = device
+        self.pause_requested = threading.Event()
+        self.resume_event = threading.Event()
         self.interrupted = False
+        self._device = device
+        self._stats = stats
         self._thread_name = name
         # BackgroundGenerator.__init__ makes Queue(max_prefetch), sets daemon, starts the thread.
         super().__init__(source, max_prefetch=max_prefetch)
@@ -59,31 +80,53 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
     def run(self) -> None:
         source: Iterator[Any] | None = self.generator
         self.generator = None  # the thread's frame holds the only reference from here on
-        stop = self.stop_event
+        stop, q, produce = self.stop_event, self.queue, self._stats.produce
         try:
             if self._device is not None:
                 # A new thread starts on device 0; CUDA work here (DataLoader pins memory in this
                 # thread when num_workers=0) would otherwise open a context on GPU 0.
                 set_thread_device(self._device)
             while not stop.is_set():
+                if self.pause_requested.is_set():
+                    if not self._park():
+                        return
+                    continue
+                start = time.perf_counter()
                 try:
                     item = next(source)  # type: ignore[arg-type]  # None only after the loop
                 except StopIteration:
-                    put_until_stopped(self.queue, Signal.END, stop)
+                    put_until_stopped(q, Signal.END, stop)
                     return
-                if not put_until_stopped(self.queue, item, stop):
+                produce.add(time.perf_counter() - start)
+                if not put_until_stopped(q, item, stop):
                     return
                 del item
         except BaseException as exc:
-            put_until_stopped(self.queue, Failure(exc), stop)
+            put_until_stopped(q, Failure(exc), stop)
         finally:
             # Released here, so DataLoader workers shut down as soon as the producer is done,
             # even while a consumer still holds an exception whose traceback shows this frame.
             source = None
 
+    def _park(self) -> bool:
+        """Hand the source to the consumer and wait until it is handed back or stop is set."""
+        if not put_until_stopped(self.queue, Signal.PAUSED, self.stop_event):
+            return False
+        while not self.resume_event.wait(POLL_INTERVAL):
+            if self.stop_event.is_set():
+                return False
+        self.resume_event.clear()
+        return not self.stop_event.is_set()
+
+    def resume(self) -> None:
+        """Give the source back to the thread (the consumer no longer calls it)."""
+        self.pause_requested.clear()  # before the wake-up, or the thread would park again
+        self.resume_event.set()
+
     def stop(self) -> None:
         """Ask the thread to stop and free the batches it queued; returns at once."""
         self.stop_event.set()
+        self.resume_event.set()  # wake a parked thread so it sees the stop
         drain(self.queue)
 
     def join_stopped(self) -> None:
@@ -115,15 +158,24 @@ class ThreadStage(Iterator[T], Generic[T]):
     every exception (any `BaseException`) to the consumer with its type and traceback, and it
     releases the source iterator as soon as it ends.
 
-    After the source is exhausted, after an exception was re-raised, or after `close()`, the
-    iterator is finished: `next()` raises `StopIteration`.
+    A thread only helps when the consumer does work between items: with a step shorter than
+    `INLINE_BELOW_S` (median of `ADAPT_WINDOW` items) the hand-off would cost more than it
+    hides, so the thread parks and the consumer pulls items itself, in order, until its steps
+    grow longer than `THREAD_ABOVE_S`; then the thread takes over again. Only one of the two
+    ever calls the source at a time.
+
+    After the source is exhausted, after an exception was raised (from the thread or inline),
+    after an interrupt while waiting, or after `close()`, the iterator is finished: `next()`
+    raises `StopIteration`.
 
     Args:
         source: The iterator to run ahead. Create it on the calling thread.
         max_prefetch: Items kept ready. ``0`` runs no thread: ``next()`` pulls from ``source``
-            in the caller's thread, and errors are raised exactly as ``source`` raises them.
+            in the caller's thread.
         name: The thread's name.
         device: The accelerator the thread makes current before it starts, or ``None``.
+        adaptive: Let the consumer pull items itself while its steps are too short for a
+            thread to help.
 
     Example:
         >>> with ThreadStage(iter(range(3)), max_prefetch=2) as stage:
@@ -138,15 +190,26 @@ class ThreadStage(Iterator[T], Generic[T]):
         *,
         name: str = "prefetchx-thread",
         device: torch.device | None = None,
+        adaptive: bool = True,
     ) -> None:
         self.max_prefetch = check_int("max_prefetch", max_prefetch, minimum=0)
-        self._source: Iterator[T] | None = None
+        self.stats = EpochStats()
+        # The consumer's own reference, used while it pulls items inline.
+        self._source: Iterator[T] | None = source
         self._producer: _Producer | None = None
-        if max_prefetch == 0:
-            self._source = source
-            self._finalizer = None
-        else:
-            self._producer = _Producer(source, max_prefetch, name, device)
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+        self._inline = max_prefetch == 0
+        self._adaptive = adaptive and max_prefetch > 0
+        self._short_steps = 0
+        self._window_steps = 0
+        self._short_below = INLINE_BELOW_S  # THREAD_ABOVE_S while inline: the hysteresis
+        self._returned_at: float | None = None
+        self._add_step = self.stats.step.add
+        self._add_wait = self.stats.wait.add
+        self._add_produce = self.stats.produce.add
+        self._wait_samples = self.stats.wait.pending
+        if max_prefetch > 0:
+            self._producer = _Producer(source, max_prefetch, name, device, self.stats)
             # Runs on close(), on garbage collection of this handle and at interpreter exit; it
             # holds the producer, never this handle.
             self._finalizer = weakref.finalize(self, self._producer.shutdown)
@@ -155,11 +218,37 @@ class ThreadStage(Iterator[T], Generic[T]):
         return self
 
     def __next__(self) -> T:
+        # The hot path: a loop with no step work pays for every line here (issue 4 targets
+        # >= 0.9x of a plain DataLoader there), so the bookkeeping is kept to counters.
+        asked_at = time.perf_counter()
+        if self._returned_at is not None:
+            step = asked_at - self._returned_at
+            self._add_step(step)
+            if self._adaptive:
+                # Counted here rather than in a method: this runs for every batch.
+                self._window_steps += 1
+                if step < self._short_below:
+                    self._short_steps += 1
+                if self._window_steps == ADAPT_WINDOW:
+                    self._decide()
+        if self._inline:
+            item = self._next_inline()
+            self._returned_at = time.perf_counter()
+            waited = self._returned_at - asked_at
+            self._add_produce(waited)  # inline, the wait is the producing
+        else:
+            item = self._next_from_thread()
+            self._returned_at = time.perf_counter()
+            waited = self._returned_at - asked_at
+        self._add_wait(waited)
+        if len(self._wait_samples) >= FOLD_EVERY:
+            self.stats.fold()
+        return item
+
+    def _next_from_thread(self) -> T:
         producer = self._producer
-        if producer is None:
-            if self._source is None:
-                raise StopIteration
-            return next(self._source)
+        assert producer is not None  # only inline mode runs without a producer
+        self.stats.occupancy.add(producer.queue.qsize())
         try:
             value = get_from(producer.queue, producer, producer.stop_event)
         except BaseException:
@@ -169,6 +258,9 @@ class ThreadStage(Iterator[T], Generic[T]):
             producer.interrupted = True
             producer.stop()
             raise
+        if value is Signal.PAUSED:
+            self._go_inline()
+            return self._next_inline()
         if isinstance(value, Signal):
             self.close()
             raise StopIteration
@@ -176,6 +268,41 @@ class ThreadStage(Iterator[T], Generic[T]):
             self.close()
             value.reraise()
         return value  # type: ignore[return-value]  # anything else is an item of the source
+
+    def _next_inline(self) -> T:
+        if self._source is None:
+            raise StopIteration
+        try:
+            item = next(self._source)
+        except BaseException:
+            self.close()  # the end, or an error: either ends the epoch, as in the thread
+            raise
+        self.stats.inline_batches += 1
+        return item
+
+    def _decide(self) -> None:
+        """Every `ADAPT_WINDOW` steps: who produces the next items, by majority of short steps.
+
+        More than half of the window short is the median below the threshold, without a sort.
+        """
+        mostly_short = 2 * self._short_steps > ADAPT_WINDOW
+        self._short_steps = self._window_steps = 0
+        producer = self._producer
+        assert producer is not None  # adaptive only with a producer
+        if not self._inline and mostly_short:
+            producer.pause_requested.set()  # the thread answers with Signal.PAUSED, in order
+        elif self._inline and not mostly_short:
+            self._go_threaded()
+
+    def _go_inline(self) -> None:
+        self._inline = True
+        self._short_below = THREAD_ABOVE_S
+
+    def _go_threaded(self) -> None:
+        self._inline = False
+        self._short_below = INLINE_BELOW_S
+        assert self._producer is not None  # adaptive only with a producer
+        self._producer.resume()
 
     @property
     def producer_alive(self) -> bool:
@@ -193,6 +320,7 @@ class ThreadStage(Iterator[T], Generic[T]):
         if self._producer is not None:
             self._producer.join_stopped()
         self._source = None
+        self._inline = True  # nothing left to take from the thread
 
     def __enter__(self) -> ThreadStage[T]:
         return self

@@ -411,3 +411,15 @@ print("done", flush=True)
     assert "Traceback" not in err, err
     assert "Exception ignored" not in err, err
     assert time.monotonic() - start < 30
+
+
+def test_loader_stats_describe_the_last_epoch() -> None:
+    loader = DataLoaderX(Squares(12, delay=0.005), batch_size=3)
+    assert loader.stats.batches == 0
+    for _ in loader:
+        pass
+    assert loader.stats.batches == 4
+    assert loader.stats.verdict().startswith("input-bound")
+    first = loader.stats
+    list(loader)
+    assert loader.stats is not first

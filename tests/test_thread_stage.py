@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Iterator
 
@@ -157,3 +158,101 @@ def test_get_from_reports_a_producer_that_died_silently() -> None:
     assert isinstance(value, Failure)
     assert isinstance(value.exc, RuntimeError)
     assert "prefetchx-test-dead" in str(value.exc)
+
+
+# --- the inline switch ---------------------------------------------------------------------------
+
+
+def _recording(n: int, threads: list[str]) -> Iterator[int]:
+    for i in range(n):
+        threads.append(threading.current_thread().name)
+        yield i
+
+
+def test_no_step_work_moves_production_inline_without_losing_an_item() -> None:
+    threads: list[str] = []
+    stage = ThreadStage(_recording(300, threads), max_prefetch=4)
+    assert list(stage) == list(range(300))
+    assert threads[0] == "prefetchx-thread"
+    assert threads[-1] == threading.current_thread().name
+    assert stage.stats.inline_batches > 200
+
+
+def test_steps_long_enough_bring_the_thread_back() -> None:
+    threads: list[str] = []
+    stage = ThreadStage(_recording(200, threads), max_prefetch=2)
+    got = []
+    for i, item in enumerate(stage):
+        got.append(item)
+        if i >= 60:
+            time.sleep(0.001)  # a real step: the thread can hide the producer's work again
+    assert got == list(range(200))
+    me = threading.current_thread().name
+    assert me in threads[20:60]
+    assert threads[-1] == "prefetchx-thread"
+
+
+def test_error_while_inline_keeps_type_and_ends_the_epoch() -> None:
+    stage = ThreadStage(_gen(100, fail=KeyError("late")), max_prefetch=2)
+    got = []
+    with pytest.raises(KeyError, match="late"):
+        for item in stage:
+            got.append(item)
+    assert got == list(range(100))
+    assert stage.stats.inline_batches > 0
+    with pytest.raises(StopIteration):
+        next(stage)
+
+
+def test_close_while_inline_stops_the_parked_thread() -> None:
+    stage = ThreadStage(_gen(10**6), max_prefetch=2)
+    for _ in range(100):
+        next(stage)
+    assert stage.stats.inline_batches > 0
+    assert stage.producer_alive  # parked, not gone
+    stage.close()
+    assert not stage.producer_alive
+
+
+def test_adaptive_off_keeps_the_thread() -> None:
+    threads: list[str] = []
+    assert list(ThreadStage(_recording(100, threads), 2, adaptive=False)) == list(range(100))
+    assert set(threads) == {"prefetchx-thread"}
+
+
+# --- the stall meter -----------------------------------------------------------------------------
+
+
+def _slow(n: int, seconds: float) -> Iterator[int]:
+    for i in range(n):
+        time.sleep(seconds)
+        yield i
+
+
+def test_stats_of_a_compute_bound_loop() -> None:
+    stage = ThreadStage(_gen(10), max_prefetch=2)
+    # Let the thread fill the queue, so even a loaded machine shows no stall to speak of.
+    assert wait_until(lambda: stage._producer is not None and stage._producer.queue.full())
+    for _ in stage:
+        time.sleep(0.02)
+    stats = stage.stats
+    assert stats.batches == 10
+    assert stats.step.mean >= 0.019
+    assert stats.verdict().startswith("compute-bound"), str(stats)
+    row = stats.as_dict()
+    assert row["batches"] == 10
+    assert row["step_p95_s"] >= 0.019
+    assert 0 <= row["input_bound_fraction"] < 0.5
+    assert "compute-bound" in str(stats)
+
+
+def test_stats_of_an_input_bound_loop() -> None:
+    stage = ThreadStage(_slow(6, 0.01), max_prefetch=2)
+    for _ in stage:
+        pass
+    stats = stage.stats
+    assert stats.batches == 6
+    assert stats.wait.total >= 0.04
+    assert stats.produce.mean >= 0.009
+    assert stats.verdict().startswith("input-bound")
+    assert stats.input_bound_fraction > 0.5
