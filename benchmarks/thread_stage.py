@@ -1,10 +1,11 @@
 """Thread stage benchmark: plain DataLoader vs the BackgroundGenerator recipe vs DataLoaderX.
 
-A loop whose batches cost ``data`` ms of sleep to produce and ``step`` ms of sleep to train on,
-over a grid of costs and queue depths. Arms are interleaved in one process; figures are medians.
+A loop whose batches cost ``data`` ms of work to produce and ``step`` ms to train on (sleep,
+GIL-releasing numpy, pure Python), over a grid of costs and queue depths: the wider grid behind
+``python -m prefetchx bench``. Arms are interleaved in one process; figures are medians.
 
 Usage:
-    python benchmarks/thread_stage.py [--rounds 5] [--json benchmarks/results/thread_stage-cpu.json]
+    python benchmarks/thread_stage.py [--depths 1 2 4] [--json PATH]
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--depths", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
@@ -68,7 +68,7 @@ def main() -> int:
     for depth in args.depths:
         results = []
         for case in GRID:
-            results.extend(measure(case, args.rounds, max_prefetch=depth))
+            results.extend(measure(case, max_prefetch=depth))
         print(f"\nmax_prefetch={depth}")
         print(format_table(results), flush=True)
         runs.append({"max_prefetch": depth, "results": as_rows(results)})

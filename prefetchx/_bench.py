@@ -1,8 +1,15 @@
 """A synthetic training loop that measures what the thread stage saves.
 
-Each batch costs the producer ``data_ms`` and the training step ``step_ms`` of sleeping, the work
-a thread can overlap. Arms run interleaved in one process, with the order rotated every round, and
-each arm's epoch time is the median over rounds.
+Each batch costs the producer ``data_ms`` and the training step ``step_ms`` of one kind of work:
+
+* ``sleep``: `time.sleep`, which releases the GIL (I/O waits behave alike);
+* ``numpy``: numpy ufuncs over a large array, single-threaded and releasing the GIL;
+* ``python``: a pure-Python loop, which holds the GIL: the control, where no thread can help.
+
+Arms run interleaved in one process with the order rotated every round, and each arm's epoch
+time is the median over rounds. Each epoch's ideal comes from the time its own data and step
+work took (a sleep on a busy machine overshoots by milliseconds), so overlap efficiency
+measures the loader, not the timer.
 """
 
 from __future__ import annotations
@@ -13,26 +20,68 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from prefetch_generator import BackgroundGenerator
 from torch.utils.data import DataLoader, Dataset
 
 from prefetchx._loader import DataLoaderX
 
+KINDS = ("sleep", "numpy", "python")
 
-class SleepyDataset(Dataset[torch.Tensor]):
-    """``n`` small items, each costing ``data_s`` seconds of sleep to produce."""
 
-    def __init__(self, n: int, data_s: float) -> None:
+class Work:
+    """A calibrated amount of one kind of work, about ``ms`` milliseconds, that times itself."""
+
+    def __init__(self, kind: str, ms: float) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"`kind` must be one of {KINDS}, got {kind!r}.")
+        self.kind = kind
+        self.ms = ms
+        self.spent = 0.0
+        self.reps = 0
+        self._x = np.linspace(0.0, 1.0, 100_000)
+        self._out = np.empty_like(self._x)
+        if ms > 0 and kind != "sleep":
+            unit = min(self._time_unit() for _ in range(5))
+            self.reps = max(1, round(ms / 1e3 / unit))
+
+    def _unit(self) -> None:
+        if self.kind == "numpy":
+            np.sin(self._x, out=self._out)
+        else:
+            sum(i * i for i in range(500))
+
+    def _time_unit(self) -> float:
+        start = time.perf_counter()
+        for _ in range(10):
+            self._unit()
+        return (time.perf_counter() - start) / 10
+
+    def __call__(self) -> None:
+        if self.ms <= 0:
+            return
+        start = time.perf_counter()
+        if self.kind == "sleep":
+            time.sleep(self.ms / 1e3)
+        else:
+            for _ in range(self.reps):
+                self._unit()
+        self.spent += time.perf_counter() - start
+
+
+class WorkDataset(Dataset[torch.Tensor]):
+    """``n`` small items, each costing one call of ``work`` to produce."""
+
+    def __init__(self, n: int, work: Work) -> None:
         self.n = n
-        self.data_s = data_s
+        self.work = work
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        if self.data_s:
-            time.sleep(self.data_s)
+        self.work()
         return torch.full((4,), i)
 
 
@@ -57,16 +106,19 @@ ARMS: dict[str, Callable[[Dataset[Any], int], Iterable[Any]]] = {
 
 @dataclass
 class Case:
-    """One point of the grid: per-batch data and step cost, in milliseconds."""
+    """One point of the grid: kind of work, per-batch data and step cost in ms, batches, rounds."""
 
+    kind: str
     data_ms: float
     step_ms: float
     batches: int
+    rounds: int = 3
+    arms: tuple[str, ...] = ("plain", "recipe", "prefetchx")
 
 
 @dataclass
 class ArmResult:
-    """One arm's figures for one case."""
+    """One arm's figures for one case; medians over rounds."""
 
     case: Case
     arm: str
@@ -78,48 +130,51 @@ class ArmResult:
     per_batch_us: float
 
 
-def run_epoch(loader: Iterable[Any], step_s: float) -> float:
-    """Time one epoch of ``loader`` with a sleeping step of ``step_s`` per batch."""
+def run_epoch(loader: Iterable[Any], step: Callable[[], None]) -> float:
+    """Time one epoch of ``loader`` with ``step`` called once per batch."""
     start = time.perf_counter()
     for _ in loader:
-        if step_s:
-            time.sleep(step_s)
+        step()
     return time.perf_counter() - start
 
 
 def measure(
-    case: Case, rounds: int, max_prefetch: int = 2, progress: Callable[[str], None] | None = None
+    case: Case, max_prefetch: int = 2, progress: Callable[[str], None] | None = None
 ) -> list[ArmResult]:
-    """Run every arm on ``case`` for ``rounds`` interleaved rounds."""
-    data_s, step_s = case.data_ms / 1e3, case.step_ms / 1e3
-    dataset = SleepyDataset(case.batches, data_s)
-    loaders = {name: build(dataset, max_prefetch) for name, build in ARMS.items()}
+    """Run every arm on ``case`` for ``case.rounds`` interleaved rounds."""
+    data, step = Work(case.kind, case.data_ms), Work(case.kind, case.step_ms)
+    dataset = WorkDataset(case.batches, data)
+    loaders = {name: ARMS[name](dataset, max_prefetch) for name in case.arms}
     names = list(loaders)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
-            times[name].append(run_epoch(loaders[name], step_s))
+    epochs: dict[str, list[float]] = {name: [] for name in names}
+    ideals: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(case.rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            data.spent = step.spent = 0.0
+            epochs[name].append(run_epoch(loaders[name], step))
+            # A perfect prefetcher pays the first batch's data, then the larger of the two.
+            ideals[name].append(data.spent / case.batches + max(data.spent, step.spent))
         if progress is not None:
             progress(
-                f"  data {case.data_ms:g} ms, step {case.step_ms:g} ms: round {r + 1}/{rounds}"
+                f"  {case.kind} data {case.data_ms:g} ms, step {case.step_ms:g} ms: "
+                f"round {r + 1}/{case.rounds}"
             )
-    # A perfect prefetcher pays the first batch's data cost, then the larger cost per batch.
-    ideal = data_s + case.batches * max(data_s, step_s)
-    plain = statistics.median(times["plain"])
+    plain = statistics.median(epochs["plain"])
     results = []
     for name in names:
-        epoch = statistics.median(times[name])
+        if case.data_ms <= 0 and case.step_ms <= 0:
+            ideals[name] = [plain] * case.rounds  # nothing to overlap: at best, cost nothing
+        pairs = list(zip(ideals[name], epochs[name], strict=True))
         results.append(
             ArmResult(
                 case=case,
                 arm=name,
-                epoch_s=epoch,
-                epochs_s=times[name],
-                ideal_s=ideal,
-                overlap_efficiency=ideal / epoch,
-                speedup=plain / epoch,
-                per_batch_us=(epoch - ideal) / case.batches * 1e6,
+                epoch_s=statistics.median(epochs[name]),
+                epochs_s=epochs[name],
+                ideal_s=statistics.median(ideals[name]),
+                overlap_efficiency=statistics.median(i / e for i, e in pairs),
+                speedup=plain / statistics.median(epochs[name]),
+                per_batch_us=statistics.median((e - i) / case.batches * 1e6 for i, e in pairs),
             )
         )
     return results
@@ -130,22 +185,17 @@ def as_rows(results: list[ArmResult]) -> list[dict[str, Any]]:
     return [asdict(r) for r in results]
 
 
-def _overlap(result: ArmResult) -> str:
-    # With no data and no step cost there is nothing to overlap.
-    return f"{result.overlap_efficiency:.3f}" if result.ideal_s > 0 else "-"
-
-
 def format_table(results: list[ArmResult]) -> str:
     """Results as a fixed-width text table."""
     head = (
-        f"{'data ms':>8} {'step ms':>8} {'arm':>10} {'epoch ms':>9} {'ideal ms':>9} "
-        f"{'overlap':>8} {'speedup':>8} {'over/batch us':>14}"
+        f"{'kind':>6} {'data ms':>8} {'step ms':>8} {'arm':>10} {'epoch ms':>9} "
+        f"{'ideal ms':>9} {'overlap':>8} {'speedup':>8} {'over/batch us':>14}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
         lines.append(
-            f"{r.case.data_ms:>8g} {r.case.step_ms:>8g} {r.arm:>10} {r.epoch_s * 1e3:>9.1f} "
-            f"{r.ideal_s * 1e3:>9.1f} {_overlap(r):>8} {r.speedup:>8.2f}x "
-            f"{r.per_batch_us:>13.1f}"
+            f"{r.case.kind:>6} {r.case.data_ms:>8g} {r.case.step_ms:>8g} {r.arm:>10} "
+            f"{r.epoch_s * 1e3:>9.1f} {r.ideal_s * 1e3:>9.1f} {r.overlap_efficiency:>8.3f} "
+            f"{r.speedup:>8.2f}x {r.per_batch_us:>13.1f}"
         )
     return "\n".join(lines)

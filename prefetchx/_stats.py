@@ -76,7 +76,7 @@ class EpochStats:
     * ``wait``: time the loop waited inside ``next()`` for a batch (the stall).
     * ``step``: time between getting a batch and asking for the next (the training step).
     * ``produce``: time the producer spent making each batch (in the thread, or inline).
-    * ``occupancy``: batches waiting in the queue when the loop asked for one.
+    * ``occupancy``: batches waiting in the queue when the loop asked the thread for one.
 
     Example:
         >>> from prefetchx import DataLoaderX
@@ -91,7 +91,6 @@ class EpochStats:
         self.step = Series()
         self.produce = Series()
         self.occupancy = Series()
-        self.inline_batches = 0
 
     def fold(self) -> None:
         """Fold every series' pending samples (see `Series`)."""
@@ -102,6 +101,12 @@ class EpochStats:
     def batches(self) -> int:
         """Batches handed to the loop."""
         return self.wait.count
+
+    @property
+    def inline_batches(self) -> int:
+        """Batches the loop pulled itself while the thread was parked (see `ThreadStage`)."""
+        # The occupancy is sampled once per batch taken from the thread, and only then.
+        return self.wait.count - self.occupancy.count
 
     @property
     def input_bound_fraction(self) -> float:

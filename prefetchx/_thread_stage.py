@@ -33,6 +33,10 @@ T = TypeVar("T")
 ADAPT_WINDOW = 16
 """Batches between two decisions of the inline switch, and the sample each decision uses."""
 
+FIRST_WINDOW = 4
+"""The first decision of an epoch comes sooner: every threaded batch of a loop with no step
+work costs a hand-off (about 150 us on 2 cores), and the hysteresis corrects a wrong start."""
+
 INLINE_BELOW_S = 50e-6
 """A median step shorter than this leaves nothing for a thread to overlap: produce inline."""
 
@@ -202,6 +206,7 @@ class ThreadStage(Iterator[T], Generic[T]):
         self._adaptive = adaptive and max_prefetch > 0
         self._short_steps = 0
         self._window_steps = 0
+        self._window = FIRST_WINDOW
         self._short_below = INLINE_BELOW_S  # THREAD_ABOVE_S while inline: the hysteresis
         self._returned_at: float | None = None
         self._add_step = self.stats.step.add
@@ -229,10 +234,17 @@ class ThreadStage(Iterator[T], Generic[T]):
                 self._window_steps += 1
                 if step < self._short_below:
                     self._short_steps += 1
-                if self._window_steps == ADAPT_WINDOW:
+                if self._window_steps == self._window:
                     self._decide()
         if self._inline:
-            item = self._next_inline()
+            source = self._source
+            if source is None:
+                raise StopIteration
+            try:
+                item = next(source)
+            except BaseException:
+                self.close()  # the end, or an error: either ends the epoch, as in the thread
+                raise
             self._returned_at = time.perf_counter()
             waited = self._returned_at - asked_at
             self._add_produce(waited)  # inline, the wait is the producing
@@ -260,7 +272,7 @@ class ThreadStage(Iterator[T], Generic[T]):
             raise
         if value is Signal.PAUSED:
             self._go_inline()
-            return self._next_inline()
+            return self._next_after_park()
         if isinstance(value, Signal):
             self.close()
             raise StopIteration
@@ -269,24 +281,23 @@ class ThreadStage(Iterator[T], Generic[T]):
             value.reraise()
         return value  # type: ignore[return-value]  # anything else is an item of the source
 
-    def _next_inline(self) -> T:
-        if self._source is None:
-            raise StopIteration
+    def _next_after_park(self) -> T:
+        """The first item after the thread parked: the caller pulls it itself."""
+        assert self._source is not None  # the thread parks only while the epoch runs
         try:
-            item = next(self._source)
+            return next(self._source)
         except BaseException:
-            self.close()  # the end, or an error: either ends the epoch, as in the thread
+            self.close()
             raise
-        self.stats.inline_batches += 1
-        return item
 
     def _decide(self) -> None:
         """Every `ADAPT_WINDOW` steps: who produces the next items, by majority of short steps.
 
         More than half of the window short is the median below the threshold, without a sort.
         """
-        mostly_short = 2 * self._short_steps > ADAPT_WINDOW
+        mostly_short = 2 * self._short_steps > self._window
         self._short_steps = self._window_steps = 0
+        self._window = ADAPT_WINDOW
         producer = self._producer
         assert producer is not None  # adaptive only with a producer
         if not self._inline and mostly_short:

@@ -3,20 +3,34 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 
 from prefetchx.__main__ import main
-from prefetchx._bench import Case, measure
+from prefetchx._bench import Case, Work, measure
 
 
 def test_measure_shows_the_thread_overlapping_sleeps() -> None:
-    results = {r.arm: r for r in measure(Case(10, 10, 12), rounds=1)}
+    results = {r.arm: r for r in measure(Case("sleep", 10, 10, 12, rounds=1))}
     assert set(results) == {"plain", "recipe", "prefetchx"}
     # Serial is ~240 ms, overlapped ~130 ms: a generous bound that a loaded machine still meets.
     assert results["prefetchx"].speedup > 1.3
     assert results["plain"].speedup == pytest.approx(1.0)
+    assert results["prefetchx"].overlap_efficiency > 0.7
+
+
+def test_work_kinds_are_calibrated() -> None:
+    for kind in ("numpy", "python"):
+        work = Work(kind, 2.0)
+        start = time.perf_counter()
+        work()
+        elapsed = time.perf_counter() - start
+        assert work.spent == pytest.approx(elapsed, rel=0.5)
+        assert 0.0002 < elapsed < 0.1  # about 2 ms, loosely: calibration on a loaded machine
+    with pytest.raises(ValueError, match="`kind` must be one of"):
+        Work("gpu", 1.0)
 
 
 def test_bench_quick_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -28,3 +42,22 @@ def test_bench_quick_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[s
     data = json.loads(out.read_text())
     assert {row["arm"] for row in data["results"]} == {"plain", "recipe", "prefetchx"}
     assert data["meta"]["torch"]
+    assert data["jpeg"] == []  # --quick skips the JPEG workload
+
+
+def test_bench_plot_writes_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "bench.png"
+    assert main(["bench", "--quick", "--cpu-only", "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_jpeg_workload_runs_both_arms() -> None:
+    pytest.importorskip("PIL")
+    from prefetchx._bench_jpeg import measure_jpeg
+
+    result = measure_jpeg(0, images=8, batch_size=4, rounds=1)
+    assert result.batches == 2
+    assert result.plain_s > 0
+    assert result.prefetchx_s > 0
+    assert result.verdict
