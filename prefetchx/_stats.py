@@ -75,7 +75,8 @@ class EpochStats:
 
     * ``wait``: time the loop waited inside ``next()`` for a batch (the stall).
     * ``step``: time between getting a batch and asking for the next (the training step).
-    * ``produce``: time the producer spent making each batch (in the thread, or inline).
+    * ``produce``: time the thread spent making each batch; a batch the loop made itself, while
+      the thread was parked, counts in ``wait`` only.
     * ``occupancy``: batches waiting in the queue when the loop asked the thread for one.
 
     Example:

@@ -204,14 +204,11 @@ class ThreadStage(Iterator[T], Generic[T]):
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._inline = max_prefetch == 0
         self._adaptive = adaptive and max_prefetch > 0
-        self._short_steps = 0
-        self._window_steps = 0
-        self._window = FIRST_WINDOW
-        self._short_below = INLINE_BELOW_S  # THREAD_ABOVE_S while inline: the hysteresis
+        self._checkpoint_every = FIRST_WINDOW if self._adaptive else ADAPT_WINDOW
         self._returned_at: float | None = None
         self._add_step = self.stats.step.add
         self._add_wait = self.stats.wait.add
-        self._add_produce = self.stats.produce.add
+        self._step_samples = self.stats.step.pending
         self._wait_samples = self.stats.wait.pending
         if max_prefetch > 0:
             self._producer = _Producer(source, max_prefetch, name, device, self.stats)
@@ -224,18 +221,11 @@ class ThreadStage(Iterator[T], Generic[T]):
 
     def __next__(self) -> T:
         # The hot path: a loop with no step work pays for every line here (issue 4 targets
-        # >= 0.9x of a plain DataLoader there), so the bookkeeping is kept to counters.
+        # >= 0.9x of a plain DataLoader there), so a batch costs two clock reads and two list
+        # appends; the rest happens at a checkpoint every `ADAPT_WINDOW` batches.
         asked_at = time.perf_counter()
         if self._returned_at is not None:
-            step = asked_at - self._returned_at
-            self._add_step(step)
-            if self._adaptive:
-                # Counted here rather than in a method: this runs for every batch.
-                self._window_steps += 1
-                if step < self._short_below:
-                    self._short_steps += 1
-                if self._window_steps == self._window:
-                    self._decide()
+            self._add_step(asked_at - self._returned_at)
         if self._inline:
             source = self._source
             if source is None:
@@ -245,17 +235,20 @@ class ThreadStage(Iterator[T], Generic[T]):
             except BaseException:
                 self.close()  # the end, or an error: either ends the epoch, as in the thread
                 raise
-            self._returned_at = time.perf_counter()
-            waited = self._returned_at - asked_at
-            self._add_produce(waited)  # inline, the wait is the producing
         else:
             item = self._next_from_thread()
-            self._returned_at = time.perf_counter()
-            waited = self._returned_at - asked_at
-        self._add_wait(waited)
+        self._returned_at = returned_at = time.perf_counter()
+        self._add_wait(returned_at - asked_at)
+        if not len(self._wait_samples) % self._checkpoint_every:
+            self._checkpoint()
+        return item
+
+    def _checkpoint(self) -> None:
+        """Decide who produces the next batches; fold the meter's samples when they pile up."""
+        if self._adaptive:
+            self._decide()
         if len(self._wait_samples) >= FOLD_EVERY:
             self.stats.fold()
-        return item
 
     def _next_from_thread(self) -> T:
         producer = self._producer
@@ -271,7 +264,7 @@ class ThreadStage(Iterator[T], Generic[T]):
             producer.stop()
             raise
         if value is Signal.PAUSED:
-            self._go_inline()
+            self._inline = True
             return self._next_after_park()
         if isinstance(value, Signal):
             self.close()
@@ -291,13 +284,16 @@ class ThreadStage(Iterator[T], Generic[T]):
             raise
 
     def _decide(self) -> None:
-        """Every `ADAPT_WINDOW` steps: who produces the next items, by majority of short steps.
+        """Who produces the next batches: the majority of the last steps decides.
 
         More than half of the window short is the median below the threshold, without a sort.
         """
-        mostly_short = 2 * self._short_steps > self._window
-        self._short_steps = self._window_steps = 0
-        self._window = ADAPT_WINDOW
+        window = self._step_samples[-self._checkpoint_every :]
+        self._checkpoint_every = ADAPT_WINDOW  # the first decision comes after FIRST_WINDOW
+        if not window:
+            return
+        threshold = THREAD_ABOVE_S if self._inline else INLINE_BELOW_S
+        mostly_short = 2 * sum(1 for step in window if step < threshold) > len(window)
         producer = self._producer
         assert producer is not None  # adaptive only with a producer
         if not self._inline and mostly_short:
@@ -305,13 +301,8 @@ class ThreadStage(Iterator[T], Generic[T]):
         elif self._inline and not mostly_short:
             self._go_threaded()
 
-    def _go_inline(self) -> None:
-        self._inline = True
-        self._short_below = THREAD_ABOVE_S
-
     def _go_threaded(self) -> None:
         self._inline = False
-        self._short_below = INLINE_BELOW_S
         assert self._producer is not None  # adaptive only with a producer
         self._producer.resume()
 

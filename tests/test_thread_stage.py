@@ -234,14 +234,14 @@ def test_stats_of_a_compute_bound_loop() -> None:
     # Let the thread fill the queue, so even a loaded machine shows no stall to speak of.
     assert wait_until(lambda: stage._producer is not None and stage._producer.queue.full())
     for _ in stage:
-        time.sleep(0.02)
+        time.sleep(0.03)
     stats = stage.stats
     assert stats.batches == 10
-    assert stats.step.mean >= 0.019
+    assert stats.step.mean >= 0.029
     assert stats.verdict().startswith("compute-bound"), str(stats)
     row = stats.as_dict()
     assert row["batches"] == 10
-    assert row["step_p95_s"] >= 0.019
+    assert row["step_p95_s"] >= 0.029
     assert 0 <= row["input_bound_fraction"] < 0.5
     assert "compute-bound" in str(stats)
 
