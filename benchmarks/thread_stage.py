@@ -23,13 +23,16 @@ from prefetchx import __version__
 from prefetchx._bench import Case, as_rows, format_table, measure
 
 GRID = [
-    Case(5, 5, 100),
-    Case(2, 2, 200),
-    Case(10, 5, 60),
-    Case(5, 10, 60),
-    Case(0, 5, 60),
-    Case(5, 0, 60),
-    Case(0, 0, 2000),
+    Case("sleep", 5, 5, 100, rounds=5),
+    Case("sleep", 2, 2, 200, rounds=5),
+    Case("sleep", 10, 5, 60, rounds=5),
+    Case("sleep", 5, 10, 60, rounds=5),
+    Case("sleep", 0, 5, 60, rounds=5),
+    Case("sleep", 5, 0, 60, rounds=5),
+    Case("numpy", 5, 5, 60, rounds=5),
+    Case("python", 5, 5, 60, rounds=5),
+    Case("sleep", 0, 0, 20000, rounds=7, arms=("plain", "prefetchx")),
+    Case("sleep", 0, 0, 2000, rounds=5),
 ]
 
 

@@ -79,7 +79,7 @@ def _synthetic(args: argparse.Namespace) -> list[ArmResult]:
 
 
 def _jpeg() -> list[dict[str, Any]]:
-    print("\n== JPEG decode + small conv net step on the CPU (128 images, batch 16) ==")
+    print("\n== JPEG decode + small conv net step on the CPU (96 images, batch 16) ==")
     try:
         import PIL  # noqa: F401
     except ImportError:

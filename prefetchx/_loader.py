@@ -30,6 +30,10 @@ class DataLoaderX(DataLoader[T_co]):
     in a background thread named ``prefetchx-thread``, so the next batch is produced while the
     caller trains on this one.
 
+    A thread only helps a loop that does work between batches: while the loop's median step
+    is under 50 us, batches are made in the caller's thread, in order, and the thread waits
+    (see `ThreadStage`). ``loader.stats`` is the stall meter of the current or last epoch.
+
     With an accelerator (``device``, or the current accelerator when ``device`` is ``None``), a
     second stage copies the next ``device_prefetch`` batches to it on a side stream while the
     caller trains, and normalizes the input there; ``prefetchx._device_stage.DeviceStage``

@@ -86,6 +86,10 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
         self.generator = None  # the thread's frame holds the only reference from here on
         stop, q, produce = self.stop_event, self.queue, self._stats.produce
         try:
+            # Intra-op threads are per thread and a new one gets all cores: the step already
+            # uses them, so torch work here (normalizing, pinning) runs on one, as DataLoader's
+            # own pin-memory thread and its workers do.
+            torch.set_num_threads(1)
             if self._device is not None:
                 # A new thread starts on device 0; CUDA work here (DataLoader pins memory in this
                 # thread when num_workers=0) would otherwise open a context on GPU 0.

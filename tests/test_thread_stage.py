@@ -10,6 +10,7 @@ import traceback
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from prefetchx import ThreadStage
 from prefetchx._engine import Failure, get_from
@@ -256,3 +257,14 @@ def test_stats_of_an_input_bound_loop() -> None:
     assert stats.produce.mean >= 0.009
     assert stats.verdict().startswith("input-bound")
     assert stats.input_bound_fraction > 0.5
+
+
+def test_thread_runs_torch_single_threaded_like_dataloaders_pin_thread() -> None:
+    seen: list[int] = []
+
+    def source() -> Iterator[int]:
+        seen.append(torch.get_num_threads())
+        yield 1
+
+    assert list(ThreadStage(source(), max_prefetch=1, adaptive=False)) == [1]
+    assert seen == [1]
