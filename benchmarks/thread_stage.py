@@ -64,7 +64,6 @@ def main() -> int:
         "python": platform.python_version(),
         "machine": platform.platform(),
         "cpus": os.cpu_count(),
-        "rounds": args.rounds,
     }
     print(json.dumps(meta))
     runs = []
