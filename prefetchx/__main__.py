@@ -165,7 +165,7 @@ def _plot(path: str, synthetic: list[ArmResult], jpeg: list[dict[str, Any]]) -> 
     left.legend()
     if jpeg:
         right = axes[0][1]
-        labels = [f"{r['torch_threads']} threads\n{r['num_workers']} workers" for r in jpeg]
+        labels = [f"{r['torch_threads']} thr\n{r['num_workers']} wkr" for r in jpeg]
         right.bar(range(len(jpeg)), [r["speedup"] for r in jpeg], color="C2")
         right.set_xticks(range(len(jpeg)), labels)
         right.axhline(1.0, color="grey", linewidth=0.8)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -61,3 +62,14 @@ def test_jpeg_workload_runs_both_arms() -> None:
     assert result.plain_s > 0
     assert result.prefetchx_s > 0
     assert result.verdict
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    assert main(["bench", "--quick", "--plot", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert "--plot needs matplotlib" in err
+    assert "prefetchx[plot]" in err
+    assert not (tmp_path / "x.png").exists()
