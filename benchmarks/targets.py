@@ -14,31 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
-import torch
-
-from prefetchx import ThreadStage, __version__
-from prefetchx._bench import Case, measure
-
-
-def _commit() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=here,
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+from prefetchx import ThreadStage
+from prefetchx._bench import Case, machine_meta, measure
 
 
 def _meter_cost_us(n: int = 200_000, rounds: int = 7) -> float:
@@ -63,15 +44,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
-    meta = {
-        "prefetchx": __version__,
-        "commit": _commit(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.platform(),
-        "cpus": os.cpu_count(),
-        "runs": args.runs,
-    }
+    meta = {**machine_meta(), "runs": args.runs}
     print(json.dumps(meta), flush=True)
     overlap, recipe_overlap, ratio = [], [], []
     for run in range(args.runs):

@@ -12,15 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import subprocess
 import sys
 
-import torch
-
-from prefetchx import __version__
-from prefetchx._bench import Case, as_rows, format_table, measure
+from prefetchx._bench import Case, as_rows, format_table, machine_meta, measure
 
 GRID = [
     Case("sleep", 5, 5, 100, rounds=5),
@@ -36,20 +30,6 @@ GRID = [
 ]
 
 
-def _commit() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=here,
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -57,14 +37,7 @@ def main() -> int:
     parser.add_argument("--depths", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
-    meta = {
-        "prefetchx": __version__,
-        "commit": _commit(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.platform(),
-        "cpus": os.cpu_count(),
-    }
+    meta = machine_meta()
     print(json.dumps(meta))
     runs = []
     for depth in args.depths:

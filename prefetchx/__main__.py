@@ -10,7 +10,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -19,7 +18,7 @@ from typing import Any
 import torch
 
 from prefetchx import __version__
-from prefetchx._bench import ArmResult, Case, as_rows, format_table, measure
+from prefetchx._bench import ArmResult, Case, as_rows, format_table, machine_meta, measure
 
 DEFAULT_GRID = [
     Case("sleep", 5, 5, 50, rounds=5),  # the overlap-efficiency target
@@ -43,30 +42,7 @@ def _log(line: str) -> None:
 
 
 def _meta(args: argparse.Namespace) -> dict[str, Any]:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    meta: dict[str, Any] = {
-        "prefetchx": __version__,
-        "commit": commit,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.platform(),
-        "cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "max_prefetch": args.max_prefetch,
-        "quick": args.quick,
-    }
-    if torch.cuda.is_available():
-        meta["gpu"] = torch.cuda.get_device_name()
-    return meta
+    return {**machine_meta(), "max_prefetch": args.max_prefetch, "quick": args.quick}
 
 
 def _synthetic(args: argparse.Namespace) -> list[ArmResult]:

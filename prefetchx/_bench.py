@@ -14,7 +14,10 @@ measures the loader, not the timer.
 
 from __future__ import annotations
 
+import os
+import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -25,6 +28,7 @@ import torch
 from prefetch_generator import BackgroundGenerator
 from torch.utils.data import DataLoader, Dataset
 
+from prefetchx import __version__
 from prefetchx._loader import DataLoaderX
 
 KINDS = ("sleep", "numpy", "python")
@@ -178,6 +182,32 @@ def measure(
             )
         )
     return results
+
+
+def machine_meta() -> dict[str, Any]:
+    """Where and with what a benchmark ran: versions, machine, CPUs, GPU, git commit."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"  # an installed copy, not a checkout
+    meta: dict[str, Any] = {
+        "prefetchx": __version__,
+        "commit": commit,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if torch.cuda.is_available():
+        meta["gpu"] = torch.cuda.get_device_name()
+    return meta
 
 
 def as_rows(results: list[ArmResult]) -> list[dict[str, Any]]:
