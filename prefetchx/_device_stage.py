@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -138,6 +139,11 @@ class DeviceStage(Iterator[Any]):
     def stats(self) -> EpochStats:
         """The stall meter of the thread stage behind this one."""
         return self._upstream.stats if self._upstream is not None else self._own_stats
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The thread stage's background thread, if any."""
+        return self._upstream.thread if self._upstream is not None else None
 
     @property
     def producer_alive(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import threading
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
@@ -15,6 +16,7 @@ from prefetchx._batch import map_input
 from prefetchx._checks import check_bool, check_input_key, check_int
 from prefetchx._device import CudaStreams, resolve_device
 from prefetchx._device_stage import DeviceStage
+from prefetchx._engine import JOIN_TIMEOUT
 from prefetchx._normalize import Normalize
 from prefetchx._stats import EpochStats
 from prefetchx._thread_stage import ThreadStage
@@ -113,6 +115,7 @@ class DataLoaderX(DataLoader[T_co]):
         self._target = resolve_device(device)
         self._streams: CudaStreams | None = None
         self._stage_ref: weakref.ref[ThreadStage[Any] | DeviceStage] | None = None
+        self._thread_ref: weakref.ref[threading.Thread] | None = None
         self._stats = EpochStats()
         if self._target.type == "cuda":
             kwargs = _pin_by_default(args, kwargs)
@@ -139,6 +142,8 @@ class DataLoaderX(DataLoader[T_co]):
                 non_blocking=self.non_blocking,
             )
         self._stage_ref = weakref.ref(stage)
+        thread = stage.thread
+        self._thread_ref = weakref.ref(thread) if thread is not None else None
         self._stats = stage.stats
         return stage
 
@@ -160,17 +165,22 @@ class DataLoaderX(DataLoader[T_co]):
 
     def _stop_current_epoch(self) -> None:
         stage = self._stage_ref() if self._stage_ref is not None else None
-        self._stage_ref = None
-        if stage is None:
+        if stage is not None:
+            stage.close()
+        # The thread outlives a stage that was dropped after an interrupt, which stops it
+        # without waiting; threading keeps a running thread referenced, so the weak one holds.
+        thread = self._thread_ref() if self._thread_ref is not None else None
+        self._stage_ref = self._thread_ref = None
+        if thread is None or thread is threading.current_thread():
             return
-        stage.close()
-        if stage.producer_alive and self.persistent_workers:
+        thread.join(JOIN_TIMEOUT)
+        if thread.is_alive() and self.persistent_workers:
             # Resetting the shared iterator under a thread that still calls next() on it would
             # mix two epochs' batches; refuse instead.
             raise RuntimeError(
-                "prefetchx: the previous epoch's thread is still inside the DataLoader iterator, "
-                "which persistent_workers=True shares between epochs; the next epoch cannot "
-                "start safely. Is the dataset blocked?"
+                f"prefetchx: the previous epoch's thread is still inside the DataLoader iterator "
+                f"after {JOIN_TIMEOUT:g} s, and persistent_workers=True shares that iterator "
+                "between epochs, so the next epoch cannot start safely. Is the dataset blocked?"
             )
 
     def close(self) -> None:

@@ -311,6 +311,11 @@ class ThreadStage(Iterator[T], Generic[T]):
         self._producer.resume()
 
     @property
+    def thread(self) -> threading.Thread | None:
+        """The background thread, or ``None`` with ``max_prefetch=0``."""
+        return self._producer
+
+    @property
     def producer_alive(self) -> bool:
         """Whether the background thread is still running."""
         return self._producer is not None and self._producer.is_alive()

@@ -423,3 +423,39 @@ def test_loader_stats_describe_the_last_epoch() -> None:
     first = loader.stats
     list(loader)
     assert loader.stats is not first
+
+
+class _SlowAfterFirst(Squares):
+    """Item 0 at once, every later item after 1.5 s: the thread waits inside next()."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i > 0:
+            time.sleep(1.5)
+        return super().__getitem__(i)
+
+
+def test_new_epoch_refuses_to_reset_persistent_workers_under_a_running_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import prefetchx._loader
+
+    monkeypatch.setattr(prefetchx._loader, "JOIN_TIMEOUT", 0.2)
+    loader = DataLoaderX(
+        _SlowAfterFirst(4), batch_size=1, num_workers=2, persistent_workers=True, max_prefetch=1
+    )
+    try:
+        it = iter(loader)
+        next(it)
+        # What an interrupt while waiting leaves: the thread told to stop, not waited for, and
+        # still inside the DataLoader iterator; then the iterator is dropped.
+        assert it._producer is not None  # type: ignore[union-attr]
+        it._producer.interrupted = True  # type: ignore[union-attr]
+        it._producer.stop()  # type: ignore[union-attr]
+        del it
+        with pytest.raises(RuntimeError, match=r"persistent_workers=True shares that iterator"):
+            iter(loader)
+        # Once the thread has left the iterator, a new epoch starts normally.
+        assert wait_until(lambda: not _prefetchx_threads(), timeout=15)
+        assert len(list(loader)) == 4
+    finally:
+        loader.close()
