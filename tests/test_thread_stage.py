@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from prefetchx import ThreadStage
+from prefetchx import EpochStats, ThreadStage
 from prefetchx._engine import Failure, get_from
 from tests.helpers import wait_until
 
@@ -232,19 +232,37 @@ def _slow(n: int, seconds: float) -> Iterator[int]:
 
 def test_stats_of_a_compute_bound_loop() -> None:
     stage = ThreadStage(_gen(10), max_prefetch=2)
-    # Let the thread fill the queue, so even a loaded machine shows no stall to speak of.
+    # Let the thread fill the queue, so the loop should hardly wait at all.
     assert wait_until(lambda: stage._producer is not None and stage._producer.queue.full())
     for _ in stage:
         time.sleep(0.03)
     stats = stage.stats
     assert stats.batches == 10
     assert stats.step.mean >= 0.029
-    assert stats.verdict().startswith("compute-bound"), str(stats)
+    # Loose: a VM can stall one get for tens of milliseconds; the verdict's own threshold is
+    # tested on fixed numbers below.
+    assert stats.input_bound_fraction < 0.3, str(stats)
+    assert stats.occupancy.mean >= 1.0
     row = stats.as_dict()
     assert row["batches"] == 10
     assert row["step_p95_s"] >= 0.029
-    assert 0 <= row["input_bound_fraction"] < 0.5
-    assert "compute-bound" in str(stats)
+
+
+def test_verdict_and_percentiles_on_fixed_numbers() -> None:
+    stats = EpochStats()
+    for wait in [0.001] * 19 + [0.020]:
+        stats.wait.add(wait)
+        stats.step.add(0.1)
+    assert stats.batches == 20
+    assert stats.wait.percentile(50) == 0.001
+    assert stats.wait.percentile(95) == 0.001
+    assert stats.wait.percentile(100) == 0.020
+    assert stats.wait.total == pytest.approx(0.039)
+    assert stats.input_bound_fraction == pytest.approx(0.039 / 2.039)
+    assert stats.verdict() == "compute-bound: data loading is hidden (1.9% of the time waiting)"
+    stats.wait.add(1.0)
+    assert stats.verdict().startswith("input-bound 34% of the time")  # 1.039 of 3.039 s
+    assert EpochStats().verdict() == "no batches yet"
 
 
 def test_stats_of_an_input_bound_loop() -> None:
