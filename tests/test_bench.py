@@ -14,12 +14,14 @@ from prefetchx._bench import Case, Work, measure
 
 
 def test_measure_shows_the_thread_overlapping_sleeps() -> None:
-    results = {r.arm: r for r in measure(Case("sleep", 10, 10, 12, rounds=1))}
+    results = {r.arm: r for r in measure(Case("sleep", 10, 10, 12, rounds=3))}
     assert set(results) == {"plain", "recipe", "prefetchx"}
-    # Serial is ~240 ms, overlapped ~130 ms: a generous bound that a loaded machine still meets.
-    assert results["prefetchx"].speedup > 1.3
     assert results["plain"].speedup == pytest.approx(1.0)
-    assert results["prefetchx"].overlap_efficiency > 0.7
+    # Serial is ~240 ms, overlapped ~130 ms. Efficiency compares each epoch with its own sleeps,
+    # so it holds on a VM whose sleeps overshoot; the speedup bound is loose for that reason.
+    assert results["prefetchx"].overlap_efficiency > 0.75
+    assert results["plain"].overlap_efficiency < 0.6
+    assert results["prefetchx"].speedup > 1.1
 
 
 def test_work_kinds_are_calibrated() -> None:
