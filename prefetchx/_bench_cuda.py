@@ -14,10 +14,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from prefetchx._bench_jpeg import MEAN, STD
 from prefetchx._loader import DataLoaderX
-
-MEAN = (123.675, 116.28, 103.53)
-STD = (58.395, 57.12, 57.375)
 
 
 class _Repeat(Dataset[torch.Tensor]):

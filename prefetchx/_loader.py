@@ -165,16 +165,15 @@ class DataLoaderX(DataLoader[T_co]):
 
     def _stop_current_epoch(self) -> None:
         stage = self._stage_ref() if self._stage_ref is not None else None
-        if stage is not None:
-            stage.close()
-        # The thread outlives a stage that was dropped after an interrupt, which stops it
-        # without waiting; threading keeps a running thread referenced, so the weak one holds.
         thread = self._thread_ref() if self._thread_ref is not None else None
         self._stage_ref = self._thread_ref = None
-        if thread is None or thread is threading.current_thread():
-            return
-        thread.join(JOIN_TIMEOUT)
-        if thread.is_alive() and self.persistent_workers:
+        if stage is not None:
+            stage.close()  # stops the thread and waits for it, bounded
+        elif thread is not None and thread is not threading.current_thread():
+            # The stage was dropped after an interrupt, which stops the thread without waiting;
+            # threading keeps a running thread referenced, so the weak reference still holds.
+            thread.join(JOIN_TIMEOUT)
+        if thread is not None and thread.is_alive() and self.persistent_workers:
             # Resetting the shared iterator under a thread that still calls next() on it would
             # mix two epochs' batches; refuse instead.
             raise RuntimeError(
