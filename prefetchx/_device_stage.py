@@ -14,7 +14,7 @@ from prefetchx._checks import check_int
 from prefetchx._device import CudaStreams
 from prefetchx._engine import Failure
 from prefetchx._normalize import Normalize
-from prefetchx._stats import EpochStats
+from prefetchx._stats import EpochStats, Tally
 from prefetchx._thread_stage import ThreadStage
 
 
@@ -74,6 +74,8 @@ class DeviceStage(Iterator[Any]):
         self._source: Iterator[Any] | None = source
         self._upstream = source if isinstance(source, ThreadStage) else None
         self._own_stats = EpochStats()  # empty: only a thread stage source measures
+        self.tally = Tally()
+        self._source_ended = False
         self._streams = streams
         self._normalize = normalize
         self._input_key = input_key
@@ -91,6 +93,7 @@ class DeviceStage(Iterator[Any]):
             self.close()
             if pending is not None:
                 pending.reraise()
+            self.tally.ended = self._source_ended
             raise StopIteration
         batch, event = self._in_flight.popleft()
         if self._streams is not None:
@@ -100,6 +103,7 @@ class DeviceStage(Iterator[Any]):
                 self._streams.hand_over(tensor, consumer)
         # The next batch's copy overlaps the caller's work on this one.
         self._fill(self.device_prefetch)
+        self.tally.count += 1
         return batch
 
     def _fill(self, depth: int) -> None:
@@ -109,6 +113,7 @@ class DeviceStage(Iterator[Any]):
                 host = next(self._source)
                 self._in_flight.append(self._start(host))
             except StopIteration:
+                self._source_ended = True
                 self._close_source()
             except KeyboardInterrupt:
                 raise

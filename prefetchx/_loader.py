@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import warnings
@@ -10,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from prefetchx._batch import map_input
 from prefetchx._checks import check_bool, check_input_key, check_int
@@ -18,7 +19,14 @@ from prefetchx._device import CudaStreams, resolve_device
 from prefetchx._device_stage import DeviceStage
 from prefetchx._engine import JOIN_TIMEOUT
 from prefetchx._normalize import Normalize
-from prefetchx._stats import EpochStats
+from prefetchx._resume import (
+    EpochIndices,
+    IndexRecorder,
+    Resume,
+    describe,
+    random_generators,
+)
+from prefetchx._stats import EpochStats, Tally
 from prefetchx._thread_stage import ThreadStage
 
 T_co = TypeVar("T_co", covariant=True)
@@ -117,15 +125,24 @@ class DataLoaderX(DataLoader[T_co]):
         self._stage_ref: weakref.ref[ThreadStage[Any] | DeviceStage] | None = None
         self._thread_ref: weakref.ref[threading.Thread] | None = None
         self._stats = EpochStats()
+        self._recorder: IndexRecorder | None = None
+        self._epoch: EpochIndices | None = None
+        self._tally: Tally | None = None
+        self._resume: Resume | None = None
         if self._target.type == "cuda":
             kwargs = _pin_by_default(args, kwargs)
         super().__init__(*args, **kwargs)
 
     def __iter__(self) -> ThreadStage[Any] | DeviceStage:  # type: ignore[override]  # DataLoader names its private iterator class
         self._stop_current_epoch()
+        resume, self._resume = self._resume, None
+        recorder = self._index_recorder()
         # On the calling thread: DataLoader installs its worker-failure (SIGCHLD) handler only
-        # from the main thread, and forking workers from a side thread is unsafe.
-        batches: Iterator[Any] = super().__iter__()
+        # from the main thread, and forking workers from a side thread is unsafe. A shuffling
+        # sampler draws here too, in DataLoader's order.
+        with recorder.epoch(resume) if recorder is not None else contextlib.nullcontext():
+            batches: Iterator[Any] = super().__iter__()
+        self._epoch = recorder.current if recorder is not None else None
         stage: ThreadStage[Any] | DeviceStage
         if self._target.type == "cpu":
             if self._normalize.active:  # in the thread, so it overlaps the caller's step
@@ -145,12 +162,98 @@ class DataLoaderX(DataLoader[T_co]):
         thread = stage.thread
         self._thread_ref = weakref.ref(thread) if thread is not None else None
         self._stats = stage.stats
+        self._tally = stage.tally
         return stage
 
     @property
     def stats(self) -> EpochStats:
         """The stall meter of the current epoch, or of the last one once it has ended."""
         return self._stats
+
+    @property
+    def _index_sampler(self) -> Any:
+        """DataLoader's index sampler, recorded (see `prefetchx._resume`) for map-style data."""
+        recorder = self._index_recorder()
+        return recorder if recorder is not None else super()._index_sampler
+
+    def _index_recorder(self) -> IndexRecorder | None:
+        if isinstance(self.dataset, IterableDataset):
+            return None  # no sampler: DataLoader's placeholder draws nothing to record
+        if self._recorder is None:
+            # Made on first use: sampler and batch sampler never change after __init__.
+            self._recorder = IndexRecorder(super()._index_sampler, random_generators(self))
+        return self._recorder
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loop is in the epoch, as plain data, to resume it exactly later.
+
+        Counts the batches the loop has received, not those the stages have made ahead. Call it
+        when you checkpoint the model; the state fits ``torch.save`` and
+        ``torch.load(weights_only=True)``. See `load_state_dict`.
+
+        Raises:
+            TypeError: The dataset is an ``IterableDataset``: it has no sampler to replay.
+
+        Example:
+            >>> loader = DataLoaderX(range(10), batch_size=2, max_prefetch=1)
+            >>> it = iter(loader)
+            >>> [next(it).tolist() for _ in range(2)]
+            [[0, 1], [2, 3]]
+            >>> state = loader.state_dict()
+            >>> state["consumed"]
+            2
+            >>> it.close()
+            >>> again = DataLoaderX(range(10), batch_size=2)
+            >>> again.load_state_dict(state)
+            >>> [batch.tolist() for batch in again]
+            [[4, 5], [6, 7], [8, 9]]
+        """
+        recorder = self._resumable("state_dict")
+        generators = random_generators(self)
+        resume = self._resume
+        epoch, tally = self._epoch, self._tally
+        if resume is None and epoch is not None and tally is not None and not tally.ended:
+            consumed = epoch.skipped + tally.count
+            resume = Resume(True, consumed, epoch.digest_of(consumed), list(epoch.rng_states))
+        elif resume is None:
+            # Between epochs: the next one draws from the generators as they are now; the global
+            # RNG is the caller's to save and restore, as for the rest of training.
+            states = [None if g is torch.default_generator else g.get_state() for g in generators]
+            resume = Resume(False, 0, 0, states)
+        return resume.to_state(describe(self, recorder.sampler))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from a `state_dict` at the next ``iter()``.
+
+        The next epoch yields exactly the batches the saved run had not yet handed to its loop,
+        in order, then later epochs draw as the saved run's would. Skipped batches are skipped
+        at the sampler: their data is never loaded. The loader's own ``generator`` and a
+        sampler's generator are restored; the global RNG is left alone, so without a
+        ``generator`` later epochs match when you restore ``torch.get_rng_state()`` with the
+        rest of your checkpoint (the resumed epoch matches either way). A
+        ``DistributedSampler``'s epoch is yours to set, as always.
+
+        Random augmentations drawn in the dataset from the workers' RNG are not replayed: they
+        depend on what each worker drew before, which skipping does not load.
+
+        Raises:
+            TypeError: ``state`` is not a state of a `DataLoaderX`, or the dataset is iterable.
+            ValueError: ``state`` comes from a loader with another dataset length, batch size,
+                ``drop_last``, sampler or shard, or its replay draws other indices.
+        """
+        recorder = self._resumable("load_state_dict")
+        self._resume = Resume.from_state(
+            state, describe(self, recorder.sampler), len(random_generators(self))
+        )
+
+    def _resumable(self, method: str) -> IndexRecorder:
+        recorder = self._index_recorder()
+        if recorder is None:
+            raise TypeError(
+                f"prefetchx: {method}() needs a map-style dataset; an IterableDataset has no "
+                "sampler to replay, so only the dataset itself can say where it was."
+            )
+        return recorder
 
     def _normalize_batch(self, batch: Any) -> Any:
         return map_input(batch, self.input_key, self._normalize)

@@ -70,6 +70,20 @@ class Series:
         return ordered[rank]
 
 
+class Tally:
+    """Batches a stage has handed to the loop, and whether it has told the loop the epoch ended.
+
+    Kept apart from the stage so the loader can still read it after the loop drops the stage's
+    iterator (which stops the thread): it is how far the loop got, whatever ran ahead.
+    """
+
+    __slots__ = ("count", "ended")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.ended = False
+
+
 class EpochStats:
     """What one epoch of a loader spent its time on, as seen by the loop that consumes it.
 

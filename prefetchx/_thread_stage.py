@@ -24,7 +24,7 @@ from prefetchx._engine import (
     get_from,
     put_until_stopped,
 )
-from prefetchx._stats import FOLD_EVERY, EpochStats
+from prefetchx._stats import FOLD_EVERY, EpochStats, Tally
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +202,7 @@ class ThreadStage(Iterator[T], Generic[T]):
     ) -> None:
         self.max_prefetch = check_int("max_prefetch", max_prefetch, minimum=0)
         self.stats = EpochStats()
+        self.tally = Tally()
         # The consumer's own reference, used while it pulls items inline.
         self._source: Iterator[T] | None = source
         self._producer: _Producer | None = None
@@ -236,11 +237,16 @@ class ThreadStage(Iterator[T], Generic[T]):
                 raise StopIteration
             try:
                 item = next(source)
+            except StopIteration:
+                self.tally.ended = True
+                self.close()
+                raise
             except BaseException:
-                self.close()  # the end, or an error: either ends the epoch, as in the thread
+                self.close()  # an error ends the epoch too, as in the thread
                 raise
         else:
             item = self._next_from_thread()
+        self.tally.count += 1
         self._returned_at = returned_at = time.perf_counter()
         self._add_wait(returned_at - asked_at)
         if not len(self._wait_samples) % self._checkpoint_every:
@@ -271,6 +277,8 @@ class ThreadStage(Iterator[T], Generic[T]):
             self._inline = True
             return self._next_after_park()
         if isinstance(value, Signal):
+            if value is Signal.END:  # not when stopped early
+                self.tally.ended = True
             self.close()
             raise StopIteration
         if isinstance(value, Failure):
@@ -283,6 +291,10 @@ class ThreadStage(Iterator[T], Generic[T]):
         assert self._source is not None  # the thread parks only while the epoch runs
         try:
             return next(self._source)
+        except StopIteration:
+            self.tally.ended = True
+            self.close()
+            raise
         except BaseException:
             self.close()
             raise

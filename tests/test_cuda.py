@@ -144,3 +144,31 @@ print("ok")
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.strip().endswith("ok")
     assert "CSAN" not in done.stderr, done.stderr[-4000:]
+
+
+@pytest.mark.parametrize(("max_prefetch", "device_prefetch"), [(0, 0), (2, 1), (2, 3)])
+def test_resume_counts_batches_received_not_batches_on_the_device(
+    max_prefetch: int, device_prefetch: int
+) -> None:
+    def make() -> DataLoaderX[Any]:
+        return DataLoaderX(
+            Images(40),
+            batch_size=4,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(2),
+            device="cuda",
+            max_prefetch=max_prefetch,
+            device_prefetch=device_prefetch,
+        )
+
+    expected = [labels.tolist() for _, labels, _ in make()]
+    loader = make()
+    it = iter(loader)
+    got = [next(it)[1].tolist() for _ in range(3)]
+    state = loader.state_dict()
+    it.close()
+    assert state["consumed"] == 3
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = [labels.tolist() for _, labels, _ in resumed]
+    assert got + rest == expected

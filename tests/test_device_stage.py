@@ -202,3 +202,27 @@ def test_close_is_idempotent_and_frees_batches_in_flight() -> None:
     assert not stage._in_flight
     with pytest.raises(StopIteration):
         next(stage)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 3])
+def test_tally_counts_batches_handed_over_not_in_flight(depth: int) -> None:
+    stage = _stage(_batches(6), FakeStreams(), depth=depth)
+    next(stage)
+    next(stage)
+    assert stage.tally.count == 2  # however many more are in flight
+    assert not stage.tally.ended
+    list(stage)
+    assert (stage.tally.count, stage.tally.ended) == (6, True)
+
+
+def test_tally_is_not_ended_by_close_or_an_error() -> None:
+    stage = _stage(_batches(6), FakeStreams(), depth=2)
+    next(stage)
+    stage.close()
+    assert list(stage) == []
+    assert (stage.tally.count, stage.tally.ended) == (1, False)
+
+    failing = _stage(Source(_batches(6), fail_after=3), FakeStreams(), depth=2)
+    with pytest.raises(RuntimeError, match="source failed"):
+        list(failing)
+    assert (failing.tally.count, failing.tally.ended) == (3, False)

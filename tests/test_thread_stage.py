@@ -286,3 +286,27 @@ def test_thread_runs_torch_single_threaded_like_dataloaders_pin_thread() -> None
 
     assert list(ThreadStage(source(), max_prefetch=1, adaptive=False)) == [1]
     assert seen == [1]
+
+
+@pytest.mark.parametrize("max_prefetch", [0, 3])
+def test_tally_counts_items_handed_over_and_the_natural_end(max_prefetch: int) -> None:
+    stage = ThreadStage(iter(range(10)), max_prefetch=max_prefetch)
+    for _ in range(4):
+        next(stage)
+    assert (stage.tally.count, stage.tally.ended) == (4, False)
+    assert list(stage) == list(range(4, 10))
+    assert (stage.tally.count, stage.tally.ended) == (10, True)
+
+
+@pytest.mark.parametrize("max_prefetch", [0, 3])
+def test_tally_is_not_ended_by_close_or_an_error(max_prefetch: int) -> None:
+    stage = ThreadStage(iter(range(10)), max_prefetch=max_prefetch)
+    next(stage)
+    stage.close()
+    assert list(stage) == []
+    assert (stage.tally.count, stage.tally.ended) == (1, False)
+
+    failing = ThreadStage(_gen(3, fail=ValueError("late")), max_prefetch=max_prefetch)
+    with pytest.raises(ValueError, match="late"):
+        list(failing)
+    assert (failing.tally.count, failing.tally.ended) == (3, False)

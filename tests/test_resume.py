@@ -1,0 +1,344 @@
+"""Exact mid-epoch resume: state_dict() / load_state_dict() against an uninterrupted run."""
+
+from __future__ import annotations
+
+import gc
+import io
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+from prefetchx import DataLoaderX
+from tests.helpers import Counting, Squares, Stream, as_lists, wait_until
+
+N, BATCH = 26, 4
+BATCHES = 7  # ceil(26 / 4)
+
+Make = Callable[[], DataLoaderX[Any]]
+
+
+def _through_disk(state: dict[str, Any]) -> dict[str, Any]:
+    """The state as a checkpoint would bring it back: torch.save, then a weights-only load."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded: dict[str, Any] = torch.load(buffer, weights_only=True)
+    return loaded
+
+
+def _maker(seeded: bool, **kwargs: Any) -> Make:
+    def make() -> DataLoaderX[Any]:
+        generator = torch.Generator().manual_seed(5) if seeded else None
+        return DataLoaderX(range(N), batch_size=BATCH, shuffle=True, generator=generator, **kwargs)
+
+    return make
+
+
+def _uninterrupted(make: Make, epochs: int = 3) -> list[list[Any]]:
+    torch.manual_seed(0)
+    loader = make()
+    return [as_lists(loader) for _ in range(epochs)]
+
+
+def _interrupted(make: Make, consumed: int) -> tuple[list[Any], dict[str, Any], torch.Tensor]:
+    """Epoch 0 in full, then ``consumed`` batches of epoch 1; the checkpoint a user would save."""
+    torch.manual_seed(0)
+    loader = make()
+    as_lists(loader)
+    it = iter(loader)
+    got = [next(it).tolist() for _ in range(consumed)]
+    state = _through_disk(loader.state_dict())
+    rng = torch.get_rng_state()
+    it.close()
+    loader.close()
+    return got, state, rng
+
+
+@pytest.mark.parametrize("seeded", [True, False], ids=["generator", "global-rng"])
+@pytest.mark.parametrize(
+    ("max_prefetch", "num_workers", "persistent"),
+    [(0, 0, False), (2, 0, False), (4, 2, False), (2, 2, True)],
+)
+@pytest.mark.parametrize("consumed", [0, 3, BATCHES])
+def test_resume_yields_the_rest_of_the_epoch_then_the_same_epochs(
+    seeded: bool, max_prefetch: int, num_workers: int, persistent: bool, consumed: int
+) -> None:
+    make = _maker(
+        seeded, max_prefetch=max_prefetch, num_workers=num_workers, persistent_workers=persistent
+    )
+    expected = _uninterrupted(make)
+    got, state, rng = _interrupted(make, consumed)
+    assert state["consumed"] == consumed
+    assert state["epoch_in_progress"]
+
+    torch.manual_seed(1234)  # a new process starts from elsewhere
+    resumed = make()
+    resumed.load_state_dict(state)
+    torch.set_rng_state(rng)  # the user's checkpoint restores the global RNG
+    rest = as_lists(resumed)
+    later = as_lists(resumed)
+    resumed.close()
+
+    assert got + rest == expected[1]
+    assert len(rest) == BATCHES - consumed
+    assert later == expected[2]
+
+
+def test_resumed_epoch_matches_without_restoring_the_global_rng() -> None:
+    make = _maker(seeded=False)
+    expected = _uninterrupted(make)
+    got, state, _ = _interrupted(make, 2)
+    torch.manual_seed(99)
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert got + as_lists(resumed) == expected[1]
+
+
+def test_resumed_iter_leaves_the_global_rng_alone() -> None:
+    _, state, _ = _interrupted(_maker(seeded=False), 2)
+    resumed = _maker(seeded=False)()
+    resumed.load_state_dict(state)
+    before = torch.get_rng_state()
+    it = iter(resumed)
+    assert torch.equal(torch.get_rng_state(), before)
+    it.close()
+    fresh = iter(resumed)  # a fresh epoch draws its shuffle seed from the global RNG, as always
+    assert not torch.equal(torch.get_rng_state(), before)
+    fresh.close()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_shuffle_draws_the_global_rng_in_dataloaders_order(num_workers: int) -> None:
+    def run(cls: type[DataLoader[Any]]) -> tuple[list[Any], list[float]]:
+        torch.manual_seed(3)
+        loader = cls(range(30), batch_size=4, shuffle=True, num_workers=num_workers)
+        epochs = [as_lists(loader) for _ in range(2)]
+        return epochs, torch.rand(3).tolist()  # what the training loop draws next
+
+    assert run(DataLoaderX) == run(DataLoader)
+
+
+def test_skipped_batches_are_never_loaded() -> None:
+    dataset = Counting(N)
+    loader = DataLoaderX(dataset, batch_size=BATCH, max_prefetch=2)
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    state = loader.state_dict()
+    it.close()
+
+    fresh = Counting(N)
+    resumed = DataLoaderX(fresh, batch_size=BATCH, max_prefetch=2)
+    resumed.load_state_dict(state)
+    rest = as_lists(resumed)
+    assert rest[0] == [12, 13, 14, 15]
+    assert fresh.produced == N - 3 * BATCH
+
+
+def test_state_counts_batches_received_not_batches_made_ahead() -> None:
+    dataset = Counting(40)
+    loader = DataLoaderX(dataset, batch_size=BATCH, max_prefetch=4)
+    it = iter(loader)
+    next(it)
+    next(it)
+    assert wait_until(lambda: dataset.produced >= 6 * BATCH)  # the thread ran ahead
+    assert loader.state_dict()["consumed"] == 2
+    it.close()
+
+
+def test_state_after_an_early_break_and_a_dropped_iterator() -> None:
+    make = _maker(seeded=True)
+    expected = _uninterrupted(make, epochs=1)[0]
+    loader = make()
+    got = []
+    for batch in loader:
+        got.append(batch.tolist())
+        if len(got) == 3:
+            break
+    gc.collect()  # the iterator is gone; the loader still knows how far the loop got
+    state = loader.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert got + as_lists(resumed) == expected
+
+
+def test_state_after_an_error_resumes_at_the_failed_batch() -> None:
+    loader = DataLoaderX(Squares(20, fail_at=10), batch_size=BATCH)
+    got = []
+    with pytest.raises(ValueError, match="boom at index 10"):
+        for batch in loader:
+            got.append(batch[:, 0].tolist())
+    state = loader.state_dict()
+    assert state["consumed"] == 2
+
+    resumed = DataLoaderX(Squares(20), batch_size=BATCH)
+    resumed.load_state_dict(state)
+    rest = [batch[:, 0].tolist() for batch in resumed]
+    assert got + rest == [list(range(i, i + BATCH)) for i in range(0, 20, BATCH)]
+
+
+def test_state_after_the_last_batch_and_after_the_epoch() -> None:
+    make = _maker(seeded=True)
+    expected = _uninterrupted(make, epochs=2)
+
+    loader = make()
+    it = iter(loader)
+    for _ in range(BATCHES):
+        next(it)
+    inside = _through_disk(loader.state_dict())  # in the loop body of the last batch
+    with pytest.raises(StopIteration):
+        next(it)
+    after = _through_disk(loader.state_dict())  # after the loop
+    assert (inside["epoch_in_progress"], inside["consumed"]) == (True, BATCHES)
+    assert (after["epoch_in_progress"], after["consumed"]) == (False, 0)
+
+    resumed = make()
+    resumed.load_state_dict(inside)
+    assert as_lists(resumed) == []  # the rest of epoch 0: nothing
+    assert as_lists(resumed) == expected[1]
+
+    resumed = make()
+    resumed.load_state_dict(after)
+    assert as_lists(resumed) == expected[1]
+
+
+def test_state_before_the_first_epoch_changes_nothing() -> None:
+    make = _maker(seeded=True)
+    state = _through_disk(make().state_dict())
+    assert not state["epoch_in_progress"]
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert as_lists(resumed) == _uninterrupted(make, epochs=1)[0]
+
+
+def test_state_is_plain_data_that_survives_a_weights_only_load() -> None:
+    loader = _maker(seeded=True)()
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    it.close()
+    loaded = _through_disk(state)
+    assert loaded.keys() == state.keys()
+    assert loaded["loader"] == state["loader"]
+    (saved,) = state["rng_states"]
+    (restored,) = loaded["rng_states"]
+    assert torch.equal(restored, saved)
+
+
+def test_a_saved_state_does_not_change_as_the_loop_goes_on() -> None:
+    loader = _maker(seeded=True)()
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    rng = state["rng_states"][0].clone()
+    as_lists(it)
+    as_lists(loader)
+    assert state["consumed"] == 1
+    assert torch.equal(state["rng_states"][0], rng)
+
+
+def test_resume_with_a_samplers_own_generator_and_replacement() -> None:
+    def make() -> DataLoaderX[Any]:
+        generator = torch.Generator().manual_seed(11)
+        sampler = RandomSampler(range(N), replacement=True, num_samples=40, generator=generator)
+        return DataLoaderX(range(N), batch_size=BATCH, sampler=sampler)
+
+    expected = _uninterrupted(make)
+    got, state, rng = _interrupted(make, 4)
+    resumed = make()
+    resumed.load_state_dict(state)
+    torch.set_rng_state(rng)
+    assert got + as_lists(resumed) == expected[1]
+    assert as_lists(resumed) == expected[2]
+
+
+def test_resume_with_a_distributed_sampler() -> None:
+    def make(rank: int = 0) -> DataLoaderX[Any]:
+        sampler = DistributedSampler(range(N), num_replicas=2, rank=rank, shuffle=True, seed=3)
+        sampler.set_epoch(1)
+        return DataLoaderX(range(N), batch_size=BATCH, sampler=sampler)
+
+    expected = as_lists(make())
+    loader = make()
+    it = iter(loader)
+    got = [next(it).tolist() for _ in range(2)]
+    state = loader.state_dict()
+    it.close()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert got + as_lists(resumed) == expected
+
+    with pytest.raises(ValueError, match="rank 0 there, 1 here"):
+        make(rank=1).load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dataset": range(N + 4)}, "dataset_len 26 there, 30 here"),
+        ({"batch_size": BATCH + 1}, "batch_size 4 there, 5 here"),
+        ({"drop_last": True}, "drop_last False there, True here"),
+        ({"shuffle": False}, "RandomSampler' there, 'torch.utils.data.sampler.SequentialSampler'"),
+    ],
+)
+def test_state_of_another_loader_is_refused(kwargs: dict[str, Any], message: str) -> None:
+    loader = _maker(seeded=True)()
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    it.close()
+    args: dict[str, Any] = {"dataset": range(N), "batch_size": BATCH, "shuffle": True}
+    other = DataLoaderX(**{**args, **kwargs})
+    with pytest.raises(ValueError, match=message):
+        other.load_state_dict(state)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_state_whose_replay_draws_other_indices_is_refused(num_workers: int) -> None:
+    _, state, _ = _interrupted(_maker(seeded=True), 3)
+    other = DataLoaderX(
+        range(N),
+        batch_size=BATCH,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(5),
+        num_workers=num_workers,
+    )
+    # Same shape of loader, but the saved epoch's shuffle came from a sampler that is not this
+    # one's: the replay notices before any worker starts.
+    tampered = {**state, "digest": state["digest"] + 1}
+    other.load_state_dict(tampered)
+    with pytest.raises(ValueError, match="drew other indices"):
+        iter(other)
+
+
+@pytest.mark.parametrize(
+    ("state", "error", "message"),
+    [
+        ({"epoch": 3}, TypeError, "must be a dict from DataLoaderX.state_dict"),
+        ([1, 2], TypeError, "got 'list'"),
+        ({"format": "prefetchx.DataLoaderX", "version": 99}, ValueError, "version 99"),
+    ],
+)
+def test_malformed_state_is_refused(state: Any, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        DataLoaderX(range(N)).load_state_dict(state)
+
+
+def test_iterable_dataset_cannot_be_resumed_and_says_why() -> None:
+    loader = DataLoaderX(Stream(10), batch_size=2)
+    assert as_lists(loader) == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    with pytest.raises(TypeError, match="IterableDataset has no sampler"):
+        loader.state_dict()
+    with pytest.raises(TypeError, match="IterableDataset"):
+        loader.load_state_dict({})
+
+
+def test_len_and_sampler_attributes_are_unchanged() -> None:
+    loader = DataLoaderX(range(N), batch_size=BATCH, shuffle=True)
+    assert len(loader) == BATCHES
+    assert isinstance(loader.sampler, RandomSampler)
+    assert loader.batch_sampler is not None
+    assert loader.batch_sampler.batch_size == BATCH
