@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import threading
 import warnings
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from prefetchx._batch import map_input
-from prefetchx._checks import check_bool, check_input_key, check_int
-from prefetchx._device import CudaStreams, resolve_device
-from prefetchx._device_stage import DeviceStage
 from prefetchx._engine import JOIN_TIMEOUT
-from prefetchx._normalize import Normalize
+from prefetchx._pipeline import Pipeline, Stage
 from prefetchx._resume import (
     EpochIndices,
     IndexRecorder,
@@ -26,8 +20,7 @@ from prefetchx._resume import (
     describe,
     random_generators,
 )
-from prefetchx._stats import EpochStats, Tally
-from prefetchx._thread_stage import ThreadStage
+from prefetchx._stats import EpochStats
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -109,31 +102,35 @@ class DataLoaderX(DataLoader[T_co]):
     ) -> None:
         # Checked before DataLoader builds anything. Every argument is stored under its own name
         # because frameworks (Lightning) rebuild a loader from its __init__ signature and
-        # attributes; the resolved forms are private.
-        self.max_prefetch = check_int("max_prefetch", max_prefetch, minimum=0)
+        # attributes; the checked and resolved forms live in the pipeline.
+        self._pipeline = Pipeline(
+            max_prefetch=max_prefetch,
+            device=device,
+            mean=mean,
+            std=std,
+            dtype=dtype,
+            channels_last=channels_last,
+            input_key=input_key,
+            device_prefetch=device_prefetch,
+            non_blocking=non_blocking,
+        )
+        self.max_prefetch = max_prefetch
         self.device = device
         self.mean = mean
         self.std = std
         self.dtype = dtype
         self.channels_last = channels_last
-        self.input_key = check_input_key(input_key)
-        self.device_prefetch = check_int("device_prefetch", device_prefetch, minimum=0)
-        self.non_blocking = check_bool("non_blocking", non_blocking)
-        self._normalize = Normalize(mean, std, dtype, channels_last)
-        self._target = resolve_device(device)
-        self._streams: CudaStreams | None = None
-        self._stage_ref: weakref.ref[ThreadStage[Any] | DeviceStage] | None = None
-        self._thread_ref: weakref.ref[threading.Thread] | None = None
-        self._stats = EpochStats()
+        self.input_key = input_key
+        self.device_prefetch = device_prefetch
+        self.non_blocking = non_blocking
         self._recorder: IndexRecorder | None = None
         self._epoch: EpochIndices | None = None
-        self._tally: Tally | None = None
         self._resume: Resume | None = None
-        if self._target.type == "cuda":
+        if self._pipeline.target.type == "cuda":
             kwargs = _pin_by_default(args, kwargs)
         super().__init__(*args, **kwargs)
 
-    def __iter__(self) -> ThreadStage[Any] | DeviceStage:  # type: ignore[override]  # DataLoader names its private iterator class
+    def __iter__(self) -> Stage:  # type: ignore[override]  # DataLoader names its private iterator class
         self._stop_current_epoch()
         resume, self._resume = self._resume, None
         recorder = self._index_recorder()
@@ -143,32 +140,12 @@ class DataLoaderX(DataLoader[T_co]):
         with recorder.epoch(resume) if recorder is not None else contextlib.nullcontext():
             batches: Iterator[Any] = super().__iter__()
         self._epoch = recorder.current if recorder is not None else None
-        stage: ThreadStage[Any] | DeviceStage
-        if self._target.type == "cpu":
-            if self._normalize.active:  # in the thread, so it overlaps the caller's step
-                batches = map(self._normalize_batch, batches)
-            stage = ThreadStage(batches, self.max_prefetch)
-        else:
-            stage = DeviceStage(
-                ThreadStage(batches, self.max_prefetch, device=self._target),
-                self._target,
-                streams=self._side_streams(),
-                normalize=self._normalize,
-                input_key=self.input_key,
-                device_prefetch=self.device_prefetch,
-                non_blocking=self.non_blocking,
-            )
-        self._stage_ref = weakref.ref(stage)
-        thread = stage.thread
-        self._thread_ref = weakref.ref(thread) if thread is not None else None
-        self._stats = stage.stats
-        self._tally = stage.tally
-        return stage
+        return self._pipeline.start(batches)
 
     @property
     def stats(self) -> EpochStats:
         """The stall meter of the current epoch, or of the last one once it has ended."""
-        return self._stats
+        return self._pipeline.stats
 
     @property
     def _index_sampler(self) -> Any:
@@ -211,7 +188,7 @@ class DataLoaderX(DataLoader[T_co]):
         recorder = self._resumable("state_dict")
         generators = random_generators(self)
         resume = self._resume
-        epoch, tally = self._epoch, self._tally
+        epoch, tally = self._epoch, self._pipeline.tally
         if resume is None and epoch is not None and tally is not None and not tally.ended:
             consumed = epoch.skipped + tally.count
             resume = Resume(True, consumed, epoch.digest_of(consumed), list(epoch.rng_states))
@@ -255,28 +232,8 @@ class DataLoaderX(DataLoader[T_co]):
             )
         return recorder
 
-    def _normalize_batch(self, batch: Any) -> Any:
-        return map_input(batch, self.input_key, self._normalize)
-
-    def _side_streams(self) -> CudaStreams | None:
-        """The target's side stream, made once per loader; ``None`` where copies are blocking."""
-        if self._target.type != "cuda":
-            return None  # MPS corrupts non_blocking copies (pytorch #83015); others: no streams
-        if self._streams is None:
-            self._streams = CudaStreams(self._target)
-        return self._streams
-
     def _stop_current_epoch(self) -> None:
-        stage = self._stage_ref() if self._stage_ref is not None else None
-        thread = self._thread_ref() if self._thread_ref is not None else None
-        self._stage_ref = self._thread_ref = None
-        if stage is not None:
-            stage.close()  # stops the thread and waits for it, bounded
-        elif thread is not None and thread is not threading.current_thread():
-            # The stage was dropped after an interrupt, which stops the thread without waiting;
-            # threading keeps a running thread referenced, so the weak reference still holds.
-            thread.join(JOIN_TIMEOUT)
-        if thread is not None and thread.is_alive() and self.persistent_workers:
+        if self._pipeline.stop() and self.persistent_workers:
             # Resetting the shared iterator under a thread that still calls next() on it would
             # mix two epochs' batches; refuse instead.
             raise RuntimeError(

@@ -88,10 +88,10 @@ def test_none_means_the_current_cuda_device_with_pinned_memory() -> None:
 def test_one_side_stream_per_loader_for_its_life() -> None:
     loader = DataLoaderX(Images(), batch_size=8, device="cuda")
     list(loader)
-    streams = loader._streams
+    streams = loader._pipeline._streams
     assert streams is not None
     list(loader)
-    assert loader._streams is streams
+    assert loader._pipeline._streams is streams
 
 
 def test_reserved_memory_is_flat_across_epochs_and_break_releases_buffers() -> None:

@@ -443,7 +443,9 @@ def test_new_epoch_refuses_to_reset_persistent_workers_under_a_running_thread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import prefetchx._loader
+    import prefetchx._pipeline
 
+    monkeypatch.setattr(prefetchx._pipeline, "JOIN_TIMEOUT", 0.2)
     monkeypatch.setattr(prefetchx._loader, "JOIN_TIMEOUT", 0.2)
     loader = DataLoaderX(
         _SlowAfterFirst(4), batch_size=1, num_workers=2, persistent_workers=True, max_prefetch=1
