@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from prefetchx._collate import fast_collate
 from prefetchx._loader import DataLoaderX
+from prefetchx._prefetcher import Prefetcher
 from prefetchx._stats import EpochStats
 from prefetchx._thread_stage import ThreadStage
 
-__all__ = ["DataLoaderX", "EpochStats", "ThreadStage", "fast_collate"]
+__all__ = ["DataLoaderX", "EpochStats", "Prefetcher", "ThreadStage", "fast_collate"]
 
 __version__ = "0.1.0.dev0"
