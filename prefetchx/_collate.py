@@ -29,7 +29,7 @@ def fast_collate(samples: Sequence[Any]) -> Any:
         ValueError: No samples, an image that is not uint8 or not 2-D/3-D, or images of
             different shapes.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> batch = [(np.zeros((4, 5, 3), np.uint8), 1), (np.ones((4, 5, 3), np.uint8), 0)]
         >>> images, targets = fast_collate(batch)

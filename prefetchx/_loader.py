@@ -80,7 +80,7 @@ class DataLoaderX(DataLoader[T_co]):
         TypeError: An argument has the wrong type.
         ValueError: An argument has a bad value, or ``device`` does not exist here.
 
-    Example:
+    Examples:
         >>> loader = DataLoaderX(range(10), batch_size=4, max_prefetch=2)
         >>> [batch.tolist() for batch in loader]
         [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]

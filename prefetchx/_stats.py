@@ -93,7 +93,7 @@ class EpochStats:
       the thread was parked, counts in ``wait`` only.
     * ``occupancy``: batches waiting in the queue when the loop asked the thread for one.
 
-    Example:
+    Examples:
         >>> from prefetchx import DataLoaderX
         >>> loader = DataLoaderX(range(8), batch_size=2)
         >>> _ = list(loader)

@@ -185,7 +185,7 @@ class ThreadStage(Iterator[T], Generic[T]):
         adaptive: Let the consumer pull items itself while its steps are too short for a
             thread to help.
 
-    Example:
+    Examples:
         >>> with ThreadStage(iter(range(3)), max_prefetch=2) as stage:
         ...     list(stage)
         [0, 1, 2]

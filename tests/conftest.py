@@ -36,24 +36,27 @@ def _worker_processes(before: set[int]) -> list[psutil.Process]:
     return alive
 
 
+def leftovers(before: set[int], wait: float = LEAK_WAIT) -> tuple[list[str], list[int]]:
+    """The ``prefetchx-*`` threads and the worker processes (not in ``before``) still running
+    after up to ``wait`` seconds; empty lists when all have ended."""
+    deadline = time.monotonic() + wait
+    while True:
+        gc.collect()
+        threads = _prefetchx_threads()
+        workers = _worker_processes(before)
+        if (not threads and not workers) or time.monotonic() > deadline:
+            return [t.name for t in threads], [w.pid for w in workers]
+        time.sleep(0.05)
+
+
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:
     """Fail a test that leaves a ``prefetchx-*`` thread or a worker process running."""
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     yield
-    deadline = time.monotonic() + LEAK_WAIT
-    while True:
-        gc.collect()
-        threads = _prefetchx_threads()
-        workers = _worker_processes(before)
-        if not threads and not workers:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(
-                f"test leaked threads {[t.name for t in threads]} "
-                f"and worker processes {[w.pid for w in workers]}"
-            )
-        time.sleep(0.05)
+    threads, workers = leftovers(before)
+    if threads or workers:
+        pytest.fail(f"test leaked threads {threads} and worker processes {workers}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
