@@ -171,7 +171,7 @@ class DataLoaderX(DataLoader[T_co]):
         Raises:
             TypeError: The dataset is an ``IterableDataset``: it has no sampler to replay.
 
-        Example:
+        Examples:
             >>> loader = DataLoaderX(range(10), batch_size=2, max_prefetch=1)
             >>> it = iter(loader)
             >>> [next(it).tolist() for _ in range(2)]

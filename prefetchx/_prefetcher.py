@@ -37,7 +37,7 @@ class Prefetcher(Generic[T]):
         TypeError: An argument has the wrong type.
         ValueError: An argument has a bad value, or ``device`` does not exist here.
 
-    Example:
+    Examples:
         >>> from torch.utils.data import DataLoader
         >>> batches = Prefetcher(DataLoader(range(6), batch_size=4), max_prefetch=1)
         >>> [batch.tolist() for batch in batches], len(batches)
