@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import psutil
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
@@ -104,3 +105,17 @@ def wait_until(predicate: object, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return bool(predicate())
+
+
+def new_children(before: set[int]) -> list[psutil.Process]:
+    """This process's children that were not in ``before`` (the pids of an earlier snapshot).
+
+    Other tests may leave multiprocessing's own helpers (a resource tracker) running for the
+    rest of the session; a test that counts its workers must not count those.
+    """
+    return [c for c in psutil.Process().children() if c.pid not in before]
+
+
+def child_pids() -> set[int]:
+    """The pids of this process's children now, for `new_children`."""
+    return {c.pid for c in psutil.Process().children()}

@@ -18,7 +18,16 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from prefetchx import DataLoaderX
-from tests.helpers import Counting, Gated, Squares, Stream, as_lists, wait_until
+from tests.helpers import (
+    Counting,
+    Gated,
+    Squares,
+    Stream,
+    as_lists,
+    child_pids,
+    new_children,
+    wait_until,
+)
 
 
 def _prefetchx_threads() -> list[threading.Thread]:
@@ -154,11 +163,12 @@ def test_bad_max_prefetch_raises_at_construction(
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_early_break_stops_thread_and_workers(num_workers: int) -> None:
+    before = child_pids()
     loader = DataLoaderX(Squares(100), batch_size=2, num_workers=num_workers)
     workers: list[psutil.Process] = []
     for i, _ in enumerate(loader):
         if i == 1:
-            workers = psutil.Process().children()
+            workers = new_children(before)
             assert _prefetchx_threads()
             break
     assert len(workers) == num_workers
@@ -336,10 +346,11 @@ def test_base_exception_is_never_a_quiet_end_of_epoch(error: BaseException) -> N
 
 
 def test_killed_worker_is_an_error_not_a_hang() -> None:
+    before = child_pids()
     loader = DataLoaderX(Squares(100, delay=0.2), batch_size=1, num_workers=2)
     it = iter(loader)
     next(it)
-    workers = [c for c in psutil.Process().children() if "forkserver" not in " ".join(c.cmdline())]
+    workers = new_children(before)
     assert workers
     os.kill(workers[0].pid, signal.SIGKILL)
     start = time.monotonic()
