@@ -1,8 +1,10 @@
 """DataLoaderX under torch.distributed: two gloo ranks on the CPU train a DDP model.
 
-Each rank is a spawned process with a `DistributedSampler`; it trains for two epochs from a
-DataLoaderX, reads the same epochs from a plain `DataLoader` over the same sampler, and saves what
-it saw. The checks run here, in the test process, over both ranks' records.
+torchrun runs this file as each rank's script (see ``__main__`` at the end). A rank trains for two
+epochs from a DataLoaderX over a `DistributedSampler`, reads the same epochs from a plain
+`DataLoader` over the same sampler, and saves what it saw. The checks run in the test process,
+over both ranks' records. Ranks under torchrun rather than spawned from the test process: a spawn
+context leaves multiprocessing's resource tracker running in it for the rest of the session.
 """
 
 from __future__ import annotations
@@ -10,20 +12,19 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import sys
 import threading
-import time
 from typing import Any
 
 import psutil
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from prefetchx import DataLoaderX
-from tests.helpers import wait_until
+from tests.helpers import torchrun, wait_until
 
 WORLD_SIZE = 2
 SAMPLES = 40  # divisible by WORLD_SIZE: DistributedSampler pads with repeats otherwise
@@ -31,9 +32,6 @@ BATCH_SIZE = 6  # 20 samples per rank: three full batches and a partial one
 EPOCHS = 2
 SEED = 11
 NUM_WORKERS = (0, 2)
-
-RANKS_TIMEOUT = 90.0
-"""Seconds the ranks get in all (they take ~10 s on 2 cores); below pytest-timeout's 120 s."""
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 """A rank waiting this long in a collective for the other fails instead of hanging."""
@@ -52,17 +50,10 @@ class Indexed(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
         return x, torch.tensor(float(i % 3)), i
 
 
-def _run_rank(rank: int, init_file: str, out_dir: str) -> None:
+def _run_rank(out_dir: str) -> None:
     """One rank: DDP training from DataLoaderX, and the plain DataLoader's epochs beside it."""
-    # Two ranks, each with DataLoader workers, share two cores; one intra-op thread each.
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",  # no port to pick, so none can be taken meanwhile
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=COLLECTIVE_TIMEOUT,
-    )
+    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)  # torchrun's environment
+    rank = dist.get_rank()
     try:
         torch.manual_seed(rank)  # different initial weights: DDP must broadcast rank 0's
         module = torch.nn.Linear(4, 1)
@@ -72,11 +63,7 @@ def _run_rank(rank: int, init_file: str, out_dir: str) -> None:
         dataset = Indexed()
         sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)
         for num_workers in NUM_WORKERS:
-            # A spawned rank would spawn its workers too, each importing torch again; a rank that
-            # torchrun starts forks them (the Linux default up to Python 3.13), as here.
-            kwargs: dict[str, Any] = {"batch_size": BATCH_SIZE, "sampler": sampler}
-            if num_workers:
-                kwargs.update(num_workers=num_workers, multiprocessing_context="fork")
+            kwargs = {"batch_size": BATCH_SIZE, "sampler": sampler, "num_workers": num_workers}
             ours = DataLoaderX(dataset, **kwargs)
             plain = DataLoader(dataset, **kwargs)
             for epoch in range(EPOCHS):
@@ -111,33 +98,14 @@ def _leaks_after_close() -> list[str]:
     return leaks()
 
 
-def _spawn_ranks(tmp_path: Any) -> list[dict[str, Any]]:
-    """Run `_run_rank` on every rank; a rank's error is raised here with its traceback."""
-    context = mp.start_processes(
-        _run_rank,
-        args=(str(tmp_path / "init"), str(tmp_path)),
-        nprocs=WORLD_SIZE,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + RANKS_TIMEOUT
-    try:
-        # join() raises ProcessRaisedException, carrying the rank's traceback, when one fails.
-        while not context.join(timeout=1.0, grace_period=5.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the ranks did not finish within {RANKS_TIMEOUT:g} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-            process.join()
-    return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """Both ranks' records, from one run that every test of this module reads."""
-    return _spawn_ranks(tmp_path_factory.mktemp("ddp"))
+    """Both ranks' records, from one torchrun that every test of this module reads."""
+    out_dir = tmp_path_factory.mktemp("ddp")
+    returncode, out, err = torchrun("tests/test_distributed.py", str(out_dir))
+    # A rank's exception reaches torchrun's stderr with its traceback.
+    assert returncode == 0, f"exit status {returncode}\n{out}\n{err[-6000:]}"
+    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
 
 
 def _indices(batches: list[Batch]) -> list[int]:
@@ -190,3 +158,7 @@ def test_ddp_kept_the_ranks_in_step(ranks: list[dict[str, Any]]) -> None:
 def test_no_rank_left_a_thread_or_a_worker(ranks: list[dict[str, Any]]) -> None:
     for rank, record in enumerate(ranks):
         assert record["leaks"] == [], f"rank {rank}"
+
+
+if __name__ == "__main__":
+    _run_rank(sys.argv[1])

@@ -3,48 +3,17 @@
 from __future__ import annotations
 
 import math
-import os
 import re
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-LAUNCH_TIMEOUT = 100.0
-"""Seconds torchrun and its ranks get; they take about 10 s on 2 cores. Below pytest-timeout."""
+from tests.helpers import torchrun
 
 SUMMARY = re.compile(
     r"^rank (?P<rank>\d+)/2 device=(?P<device>\S+) epochs=1 steps=(?P<steps>\d+) "
     r"samples=(?P<samples>\d+) loss=(?P<loss>\S+) \| (?P<verdict>.+)$"
 )
-
-
-def _torchrun(*args: str) -> tuple[int, str, str]:
-    """Run ``python -m torch.distributed.run --standalone --nproc_per_node=2 *args``."""
-    # --standalone: the rendezvous takes a free port itself, no guess that another process takes.
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    # This checkout's prefetchx, even where another one is installed.
-    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
-    child = subprocess.Popen(
-        [*command, *args],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": path},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # one process group: torchrun, its ranks and their workers
-    )
-    try:
-        out, err = child.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
-        out, err = child.communicate()
-        pytest.fail(f"torchrun did not finish within {LAUNCH_TIMEOUT:g} s:\n{out}\n{err[-4000:]}")
-    return child.returncode, out, err
 
 
 def _summaries(out: str) -> dict[int, dict[str, str]]:
@@ -57,7 +26,7 @@ def _summaries(out: str) -> dict[int, dict[str, str]]:
 
 
 def _check_ddp_train(*extra: str) -> dict[int, dict[str, str]]:
-    returncode, out, err = _torchrun("examples/ddp_train.py", "--epochs", "1", *extra)
+    returncode, out, err = torchrun("examples/ddp_train.py", "--epochs", "1", *extra)
     assert returncode == 0, f"exit status {returncode}\n{out}\n{err[-4000:]}"
     summaries = _summaries(out)
     assert sorted(summaries) == [0, 1], out
