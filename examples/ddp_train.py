@@ -97,7 +97,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         batch_size=args.batch_size,
         sampler=sampler,
         num_workers=args.workers,
-        drop_last=True,  # every step has the same shape, and every rank the same step count
+        drop_last=True,  # every batch the same shape (torch.compile would compile the last again)
         max_prefetch=args.max_prefetch,
         # The rank's own device, named: the producer thread and the side stream use it.
         device=device,
