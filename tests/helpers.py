@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 
 import psutil
+import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
@@ -119,3 +124,38 @@ def new_children(before: set[int]) -> list[psutil.Process]:
 def child_pids() -> set[int]:
     """The pids of this process's children now, for `new_children`."""
     return {c.pid for c in psutil.Process().children()}
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TORCHRUN_TIMEOUT = 100.0
+"""Seconds `torchrun` and its ranks get; a run here takes about 10 s on 2 cores. Below the
+120 s of pytest-timeout, so a hang is reported with the ranks' output."""
+
+
+def torchrun(*args: str, nproc: int = 2) -> tuple[int, str, str]:
+    """``python -m torch.distributed.run --standalone --nproc_per_node=nproc *args`` in the repo.
+
+    Returns the exit status, stdout and stderr. A run past `TORCHRUN_TIMEOUT` is killed with its
+    ranks and their workers, and fails the test with what they printed.
+    """
+    # --standalone: the rendezvous binds a free port itself, so no other process can take it.
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    # This checkout's prefetchx, even where another one is installed.
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    child = subprocess.Popen(
+        [sys.executable, *launcher, *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": path},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # one process group: torchrun, its ranks and their workers
+    )
+    try:
+        out, err = child.communicate(timeout=TORCHRUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        out, err = child.communicate()
+        pytest.fail(f"torchrun ran past {TORCHRUN_TIMEOUT:g} s:\n{out}\n{err[-4000:]}")
+    return child.returncode, out, err

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
+from prefetchx import DataLoaderX, ThreadStage
 from prefetchx._device import resolve_device
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
@@ -49,3 +52,54 @@ def test_cuda_index_is_made_explicit_and_checked() -> None:
 def test_bad_devices(device: object, exc: type[Exception], pattern: str) -> None:
     with pytest.raises(exc, match=pattern):
         resolve_device(device)  # type: ignore[arg-type]
+
+
+class _FakeGpus:
+    """``count`` CUDA devices as `torch.cuda` reports them, with a current device per process."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+        self.current = 0
+        self.set_in: list[tuple[str, torch.device]] = []
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(torch.cuda, "set_device", self.set_device)
+        if getattr(torch, "accelerator", None) is not None:  # torch >= 2.6
+            monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+            monkeypatch.setattr(
+                torch.accelerator, "current_accelerator", lambda *_: torch.device("cuda")
+            )
+
+    def set_device(self, device: torch.device | int) -> None:
+        index = device if isinstance(device, int) else device.index
+        assert index is not None
+        self.set_in.append((threading.current_thread().name, torch.device("cuda", index)))
+        self.current = index
+
+
+def test_a_ranks_default_device_is_the_one_it_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    # FIELD pitfall 5: a DDP rank calls torch.cuda.set_device(local_rank), then builds its loader
+    # with device=None; the loader and its thread must use that GPU, not GPU 0.
+    gpus = _FakeGpus(monkeypatch, count=4)
+    torch.cuda.set_device(2)
+    assert resolve_device(None) == torch.device("cuda", 2)
+    assert resolve_device("cuda") == torch.device("cuda", 2)
+    assert resolve_device("cuda:3") == torch.device("cuda", 3)
+    gpus.set_in.clear()
+    with ThreadStage(iter(range(3)), device=resolve_device(None)) as stage:
+        assert list(stage) == [0, 1, 2]
+    assert gpus.set_in == [("prefetchx-thread", torch.device("cuda", 2))]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_default_device_follows_set_device_on_a_real_gpu() -> None:
+    last = torch.cuda.device_count() - 1
+    before = torch.cuda.current_device()
+    torch.cuda.set_device(last)
+    try:
+        assert resolve_device(None) == torch.device("cuda", last)
+        loader = DataLoaderX(torch.arange(8.0), batch_size=4)
+        assert [batch.device for batch in loader] == [torch.device("cuda", last)] * 2
+    finally:
+        torch.cuda.set_device(before)
