@@ -50,6 +50,9 @@ class DataLoaderX(DataLoader[T_co]):
     re-raised, when ``close()`` is called, and at interpreter exit. ``close()`` may be called any
     number of times; the loader can be iterated again after it (a closed loader reopens).
 
+    `state_dict` and `load_state_dict` resume a broken epoch exactly, counting only the batches
+    the caller received; Lightning saves and restores them in its checkpoints.
+
     Errors raised in the dataset, the collate function or a worker reach the caller with their
     type and traceback and end the epoch; the loader can be iterated again. Ctrl-C while waiting
     for a batch raises `KeyboardInterrupt` at once and ends the epoch.
@@ -59,7 +62,9 @@ class DataLoaderX(DataLoader[T_co]):
         max_prefetch: Batches the background thread keeps ready. ``0`` runs no thread: batches
             are produced in the caller's thread as by `DataLoader`.
         device: Where batches go: ``None`` for the current accelerator if there is one, else
-            the CPU (no transfer); or a device such as ``"cuda:1"``.
+            the CPU (no transfer); or a device such as ``"cuda:1"``. Resolved when the loader
+            is built: under torch.distributed call ``torch.cuda.set_device(local_rank)`` first,
+            or name the rank's device.
         mean: Per-channel means of the input, in its units as collated (0-255 for uint8
             images), applied on dim 1 of an ``N, C, ...`` input. With ``std``.
         std: Per-channel standard deviations; ``(x - mean) / std``.
