@@ -196,7 +196,8 @@ class DataLoaderX(DataLoader[T_co]):
         epoch, tally = self._epoch, self._pipeline.tally
         if resume is None and epoch is not None and tally is not None and not tally.ended:
             consumed = epoch.skipped + tally.count
-            resume = Resume(True, consumed, epoch.digest_of(consumed), list(epoch.rng_states))
+            check = epoch.first_digest if consumed else 0
+            resume = Resume(True, consumed, check, list(epoch.rng_states))
         elif resume is None:
             # Between epochs: the next one draws from the generators as they are now; the global
             # RNG is the caller's to save and restore, as for the rest of training.

@@ -2,15 +2,15 @@
 
 The loader's index sampler (DataLoader's ``_index_sampler``: the batch sampler, or the sampler
 when batching is off) is wrapped in an `IndexRecorder`. Each epoch it notes the state of the
-random generators just before the sampler starts drawing, and a running digest of the index
-batches drawn. A state is then O(1) plain data: those generator states, how many batches the
-loop has received (counted where batches leave the last stage, so whatever the stages ran ahead
-does not count), and the digest of those batches' indices.
+random generators just before the sampler starts drawing, and a checksum of the first index
+batch. A state is then O(1) plain data: those generator states, how many batches the loop has
+received (counted where batches leave the last stage, so whatever the stages ran ahead does not
+count), and the checksum.
 
 Resuming sets the generators to the noted states, draws the consumed batches' indices again
-without loading their data, checks their digest, and lets the DataLoader load the rest. The
-caller's global RNG comes out of a resume untouched; a generator of the loader or of its sampler
-comes out where the uninterrupted run's would be, so later epochs draw the same.
+without loading their data, checks the first one against the checksum, and lets the DataLoader
+load the rest. The caller's global RNG comes out of a resume untouched; a generator of the loader
+or of its sampler comes out where the uninterrupted run's would be, so later epochs draw the same.
 """
 
 from __future__ import annotations
@@ -27,15 +27,10 @@ FORMAT = "prefetchx.DataLoaderX"
 VERSION = 1
 
 
-def _digest(previous: int, indices: Any) -> int:
-    """Fold one index batch into a digest that is the same in every process."""
-    if type(indices) is list and indices and type(indices[0]) is int:
-        # Integer hashes do not depend on PYTHONHASHSEED; this is the common case and 4x
-        # cheaper than hashing the text.
-        return hash((previous, tuple(indices)))
-    if type(indices) is int:
-        return hash((previous, indices))
-    return zlib.crc32(repr(indices).encode(), previous & 0xFFFFFFFF)
+def digest(indices: Any) -> int:
+    """A checksum of one index batch that is the same in every process (no ``hash()``: a str
+    key's hash changes with PYTHONHASHSEED)."""
+    return zlib.crc32(repr(indices).encode())
 
 
 def random_generators(loader: Any) -> list[torch.Generator]:
@@ -92,7 +87,7 @@ class Resume:
 
     in_epoch: bool
     consumed: int
-    digest: int
+    digest: int | None
     rng_states: list[torch.Tensor | None]
 
     def to_state(self, loader: dict[str, Any]) -> dict[str, Any]:
@@ -131,17 +126,24 @@ class Resume:
                 f"`state` holds {len(states)} random generator states; this loader's sampler "
                 f"draws from {generators}."
             )
+        check = state["digest"]
         return cls(
-            bool(state["epoch_in_progress"]), int(state["consumed"]), int(state["digest"]), states
+            bool(state["epoch_in_progress"]),
+            int(state["consumed"]),
+            int(check) if check is not None else None,
+            states,
         )
 
 
-class EpochIndices(Iterator[Any]):
+class EpochIndices:
     """One epoch of index batches from the sampler, recorded so that the epoch can be replayed.
 
     The sampler's first draw happens in `start`, which the loader calls on its own thread (so a
     shuffling sampler draws from the global RNG in the same order as under DataLoader), or which
-    the DataLoader's workers' index prefetch triggers while the iterator is being made.
+    the DataLoader's workers' index prefetch triggers while the iterator is being made. What is
+    recorded is taken then: the generators' states and a checksum of the first index batch; after
+    it, `batches` hands the sampler's batches on with no work per batch (a loop with no step work
+    pays for every instruction here).
     """
 
     def __init__(
@@ -154,9 +156,7 @@ class EpochIndices(Iterator[Any]):
         self._lookahead: list[Any] = []
         self.skipped = self._resume.consumed if self._resume is not None else 0
         self.rng_states: list[torch.Tensor] = []
-        # digests[i]: the digest of index batches 0..i; read by state_dict() on the caller's
-        # thread while the producer thread appends (a list append is atomic).
-        self.digests: list[int] = []
+        self.first_digest: int | None = None
 
     def start(self) -> None:
         """Note the generators' states, start the sampler, replay skipped batches, draw one."""
@@ -166,43 +166,36 @@ class EpochIndices(Iterator[Any]):
             set_states(self._generators, self._resume.rng_states)
         self.rng_states = [g.get_state() for g in self._generators]
         self._source = source = iter(self._sampler)
-        for drawn in range(self.skipped):
+        for drawn in range(max(self.skipped, 1)):
             try:
-                self._record(next(source))
+                indices = next(source)
             except StopIteration:
-                raise ValueError(
-                    f"prefetchx: the state says the loop received {self.skipped} batches of "
-                    f"this epoch, but the sampler now yields only {drawn}."
-                ) from None
-        if self._resume is not None and self.skipped and self.digests[-1] != self._resume.digest:
+                if self.skipped:
+                    raise ValueError(
+                        f"prefetchx: the state says the loop received {self.skipped} batches "
+                        f"of this epoch, but the sampler now yields only {drawn}."
+                    ) from None
+                return  # an empty epoch
+            if drawn == 0:
+                self.first_digest = digest(indices)
+            if not self.skipped:  # the first draw of a lazy sampler happens now, on this thread
+                self._lookahead.append(indices)
+        check = self._resume.digest if self._resume is not None else None
+        if self.skipped and check is not None and self.first_digest != check:
             raise ValueError(
                 f"prefetchx: replaying the state's {self.skipped} consumed batches drew other "
                 "indices than the run that saved it. The sampler's draws are not reproducible "
                 "from torch generators (Python's random or numpy?), or the dataset, sampler or "
                 "seed differ; resuming would train on the wrong samples."
             )
-        # The first draw of a lazy sampler (RandomSampler) happens now, on this thread.
-        with contextlib.suppress(StopIteration):
-            self._lookahead.append(self._next_recorded())
 
-    def __next__(self) -> Any:
-        if self._source is None:
-            self.start()
-        if self._lookahead:
-            return self._lookahead.pop()
-        return self._next_recorded()
-
-    def _next_recorded(self) -> Any:
+    def batches(self) -> Iterator[Any]:
+        """The epoch's index batches after the skipped ones; starts the epoch if need be."""
+        self.start()
         assert self._source is not None  # started above
-        return self._record(next(self._source))
-
-    def _record(self, indices: Any) -> Any:
-        self.digests.append(_digest(self.digests[-1] if self.digests else 0, indices))
-        return indices
-
-    def digest_of(self, batches: int) -> int:
-        """The digest of the first ``batches`` index batches (0 for none)."""
-        return self.digests[batches - 1] if batches else 0
+        yield from self._lookahead
+        self._lookahead.clear()
+        yield from self._source
 
 
 class IndexRecorder:
@@ -221,12 +214,11 @@ class IndexRecorder:
     def __len__(self) -> int:
         return len(self.sampler)
 
-    def __iter__(self) -> EpochIndices:
+    def __iter__(self) -> Iterator[Any]:
         # DataLoader may ask more than once while it makes one iterator (its multiprocessing
         # iterator resets itself in __init__); every ask inside `epoch` gets that epoch.
-        if self._next is not None:
-            return self._next
-        return EpochIndices(self.sampler, self._generators, None)
+        epoch = self._next or EpochIndices(self.sampler, self._generators, None)
+        return epoch.batches()
 
     @contextlib.contextmanager
     def epoch(self, resume: Resume | None) -> Iterator[None]:

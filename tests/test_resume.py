@@ -308,7 +308,7 @@ def test_state_whose_replay_draws_other_indices_is_refused(num_workers: int) -> 
     )
     # Same shape of loader, but the saved epoch's shuffle came from a sampler that is not this
     # one's: the replay notices before any worker starts.
-    tampered = {**state, "digest": state["digest"] + 1}
+    tampered = {**state, "digest": (state["digest"] + 1) % 2**32}
     other.load_state_dict(tampered)
     with pytest.raises(ValueError, match="drew other indices"):
         iter(other)
@@ -342,3 +342,18 @@ def test_len_and_sampler_attributes_are_unchanged() -> None:
     assert isinstance(loader.sampler, RandomSampler)
     assert loader.batch_sampler is not None
     assert loader.batch_sampler.batch_size == BATCH
+
+
+def test_a_state_without_a_check_still_resumes_past_a_deep_lookahead() -> None:
+    dataset = Counting(200)
+    loader = DataLoaderX(dataset, batch_size=2, shuffle=True, max_prefetch=8)
+    it = iter(loader)
+    got = [next(it).tolist() for _ in range(3)]
+    assert wait_until(lambda: dataset.produced >= 2 * 12)  # the thread is 9 batches ahead
+    state = loader.state_dict()
+    it.close()
+    assert state["digest"] is not None
+    resumed = DataLoaderX(range(200), batch_size=2, shuffle=True, max_prefetch=8)
+    resumed.load_state_dict({**state, "digest": None})  # unchecked, as if out of the window
+    rest = as_lists(resumed)
+    assert sorted(i for batch in got + rest for i in batch) == list(range(200))
