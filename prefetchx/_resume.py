@@ -25,6 +25,7 @@ import torch
 
 FORMAT = "prefetchx.DataLoaderX"
 VERSION = 1
+_FIELDS = {"loader", "epoch_in_progress", "consumed", "digest", "rng_states"}
 
 
 def digest(indices: Any) -> int:
@@ -113,6 +114,9 @@ class Resume:
                 f"`state` has version {state.get('version')!r}; this prefetchx reads version "
                 f"{VERSION}."
             )
+        missing = sorted(_FIELDS - state.keys())
+        if missing:
+            raise ValueError(f"`state` lacks {', '.join(missing)}: is it a whole state_dict()?")
         theirs = state["loader"]
         differ = sorted(k for k in loader.keys() | theirs.keys() if loader.get(k) != theirs.get(k))
         if differ:
@@ -127,9 +131,12 @@ class Resume:
                 f"draws from {generators}."
             )
         check = state["digest"]
+        consumed = state["consumed"]
+        if isinstance(consumed, bool) or not isinstance(consumed, int) or consumed < 0:
+            raise ValueError(f"`state` has consumed={consumed!r}; it must be an int >= 0.")
         return cls(
             bool(state["epoch_in_progress"]),
-            int(state["consumed"]),
+            consumed,
             int(check) if check is not None else None,
             states,
         )

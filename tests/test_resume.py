@@ -320,6 +320,11 @@ def test_state_whose_replay_draws_other_indices_is_refused(num_workers: int) -> 
         ({"epoch": 3}, TypeError, "must be a dict from DataLoaderX.state_dict"),
         ([1, 2], TypeError, "got 'list'"),
         ({"format": "prefetchx.DataLoaderX", "version": 99}, ValueError, "version 99"),
+        (
+            {"format": "prefetchx.DataLoaderX", "version": 1, "consumed": 2},
+            ValueError,
+            "lacks digest, epoch_in_progress, loader, rng_states",
+        ),
     ],
 )
 def test_malformed_state_is_refused(state: Any, error: type[Exception], message: str) -> None:
@@ -357,3 +362,9 @@ def test_a_state_without_a_check_still_resumes_past_a_deep_lookahead() -> None:
     resumed.load_state_dict({**state, "digest": None})  # unchecked, as if out of the window
     rest = as_lists(resumed)
     assert sorted(i for batch in got + rest for i in batch) == list(range(200))
+
+
+def test_negative_consumed_is_refused() -> None:
+    _, state, _ = _interrupted(_maker(seeded=True), 2)
+    with pytest.raises(ValueError, match="consumed=-1; it must be an int >= 0"):
+        _maker(seeded=True)().load_state_dict({**state, "consumed": -1})
