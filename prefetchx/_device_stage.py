@@ -103,7 +103,7 @@ class DeviceStage(Iterator[Any]):
                 self._streams.hand_over(tensor, consumer)
         # The next batch's copy overlaps the caller's work on this one.
         self._fill(self.device_prefetch)
-        self.tally.count += 1
+        self.tally.add()
         return batch
 
     def _fill(self, depth: int) -> None:

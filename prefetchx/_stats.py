@@ -74,14 +74,26 @@ class Tally:
     """Batches a stage has handed to the loop, and whether it has told the loop the epoch ended.
 
     Kept apart from the stage so the loader can still read it after the loop drops the stage's
-    iterator (which stops the thread): it is how far the loop got, whatever ran ahead.
+    iterator (which stops the thread): it is how far the loop got, whatever ran ahead. A thread
+    stage already counts what it hands over, one wait sample per batch, so its tally reads that
+    ``series`` and its hot path pays nothing more; a stage without one calls `add`.
     """
 
-    __slots__ = ("count", "ended")
+    __slots__ = ("_added", "_series", "ended")
 
-    def __init__(self) -> None:
-        self.count = 0
+    def __init__(self, series: Series | None = None) -> None:
+        self._series = series
+        self._added = 0
         self.ended = False
+
+    def add(self) -> None:
+        """One more batch handed over."""
+        self._added += 1
+
+    @property
+    def count(self) -> int:
+        """Batches handed over so far."""
+        return self._series.count if self._series is not None else self._added
 
 
 class EpochStats:

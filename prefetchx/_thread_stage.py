@@ -202,7 +202,7 @@ class ThreadStage(Iterator[T], Generic[T]):
     ) -> None:
         self.max_prefetch = check_int("max_prefetch", max_prefetch, minimum=0)
         self.stats = EpochStats()
-        self.tally = Tally()
+        self.tally = Tally(self.stats.wait)
         # The consumer's own reference, used while it pulls items inline.
         self._source: Iterator[T] | None = source
         self._producer: _Producer | None = None
@@ -246,7 +246,6 @@ class ThreadStage(Iterator[T], Generic[T]):
                 raise
         else:
             item = self._next_from_thread()
-        self.tally.count += 1
         self._returned_at = returned_at = time.perf_counter()
         self._add_wait(returned_at - asked_at)
         if not len(self._wait_samples) % self._checkpoint_every:
