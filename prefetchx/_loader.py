@@ -191,7 +191,6 @@ class DataLoaderX(DataLoader[T_co]):
             [[4, 5], [6, 7], [8, 9]]
         """
         recorder = self._resumable("state_dict")
-        generators = random_generators(self)
         resume = self._resume
         epoch, tally = self._epoch, self._pipeline.tally
         if resume is None and epoch is not None and tally is not None and not tally.ended:
@@ -201,7 +200,9 @@ class DataLoaderX(DataLoader[T_co]):
         elif resume is None:
             # Between epochs: the next one draws from the generators as they are now; the global
             # RNG is the caller's to save and restore, as for the rest of training.
-            states = [None if g is torch.default_generator else g.get_state() for g in generators]
+            states = [
+                None if g is torch.default_generator else g.get_state() for g in recorder.generators
+            ]
             resume = Resume(False, 0, 0, states)
         return resume.to_state(describe(self, recorder.sampler))
 
@@ -226,7 +227,7 @@ class DataLoaderX(DataLoader[T_co]):
         """
         recorder = self._resumable("load_state_dict")
         self._resume = Resume.from_state(
-            state, describe(self, recorder.sampler), len(random_generators(self))
+            state, describe(self, recorder.sampler), len(recorder.generators)
         )
 
     def _resumable(self, method: str) -> IndexRecorder:

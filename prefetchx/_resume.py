@@ -214,7 +214,7 @@ class IndexRecorder:
 
     def __init__(self, sampler: Any, generators: Sequence[torch.Generator]) -> None:
         self.sampler = sampler
-        self._generators = generators
+        self.generators = generators
         self._next: EpochIndices | None = None
         self.current: EpochIndices | None = None
 
@@ -224,7 +224,7 @@ class IndexRecorder:
     def __iter__(self) -> Iterator[Any]:
         # DataLoader may ask more than once while it makes one iterator (its multiprocessing
         # iterator resets itself in __init__); every ask inside `epoch` gets that epoch.
-        epoch = self._next or EpochIndices(self.sampler, self._generators, None)
+        epoch = self._next or EpochIndices(self.sampler, self.generators, None)
         return epoch.batches()
 
     @contextlib.contextmanager
@@ -237,11 +237,11 @@ class IndexRecorder:
         RNG is then put back as it was.
         """
         replaying = resume is not None and resume.in_epoch
-        self.current = epoch = EpochIndices(self.sampler, self._generators, resume)
+        self.current = epoch = EpochIndices(self.sampler, self.generators, resume)
         self._next = epoch
         caller_rng = torch.default_generator.get_state() if replaying else None
         if resume is not None and not resume.in_epoch:  # the next epoch draws as the saved run's
-            set_states(self._generators, resume.rng_states)
+            set_states(self.generators, resume.rng_states)
         try:
             yield
             epoch.start()  # unless the workers' index prefetch has started it already
