@@ -10,22 +10,17 @@ import torch
 from prefetchx import DataLoaderX, ThreadStage
 from prefetchx._device import resolve_device
 
-no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
-
 
 def test_cpu() -> None:
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device(torch.device("cpu")) == torch.device("cpu")
 
 
-@no_cuda
 def test_none_without_an_accelerator_is_the_cpu() -> None:
-    if getattr(torch, "accelerator", None) is not None and torch.accelerator.is_available():
-        pytest.skip("this machine has an accelerator")
+    # Outside `cuda`-marked tests this machine has no accelerator (see conftest.py).
     assert resolve_device(None) == torch.device("cpu")
 
 
-@no_cuda
 @pytest.mark.parametrize("device", ["cuda", "cuda:1", torch.device("cuda", 0)])
 def test_cuda_without_cuda_is_refused(device: object) -> None:
     with pytest.raises(ValueError, match=r"CUDA is not available"):

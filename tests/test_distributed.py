@@ -105,7 +105,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     returncode, out, err = torchrun("tests/test_distributed.py", str(out_dir))
     # A rank's exception reaches torchrun's stderr with its traceback.
     assert returncode == 0, f"exit status {returncode}\n{out}\n{err[-6000:]}"
-    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
+    return [torch.load(out_dir / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD_SIZE)]
 
 
 def _indices(batches: list[Batch]) -> list[int]:

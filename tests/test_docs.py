@@ -145,7 +145,7 @@ def run_samples(samples: list[Sample]) -> None:
 def main(argv: list[str]) -> None:
     """In a fresh interpreter: run the samples of page ``argv[1]`` at lines ``argv[2:]``, then
     wait up to ``argv[0]`` seconds for their threads and workers to end."""
-    from conftest import leftovers  # tests/ is on the path of this interpreter
+    from conftest import leftovers  # the repository root is on the path of this interpreter
 
     wait, path, lines = float(argv[0]), Path(argv[1]), {int(line) for line in argv[2:]}
     run_samples([s for s in page_samples(path) if s.line in lines])
@@ -182,7 +182,13 @@ def _params() -> tuple[list[object], list[object]]:
         name = str(path.relative_to(ROOT))
         if any(not s.needs for s in samples):
             pages.append(pytest.param(path, id=name))
-        gated.extend(pytest.param(path, s.line, id=s.where) for s in samples if s.needs)
+        gated.extend(
+            pytest.param(
+                path, s.line, id=s.where, marks=pytest.mark.cuda if "cuda" in s.needs else ()
+            )
+            for s in samples
+            if s.needs
+        )
     return pages, gated
 
 

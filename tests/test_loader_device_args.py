@@ -36,13 +36,6 @@ def _expected(images: torch.Tensor) -> torch.Tensor:
     )
 
 
-needs_cpu_target = pytest.mark.skipif(
-    getattr(torch, "accelerator", None) is not None and torch.accelerator.is_available(),
-    reason="device=None resolves to the accelerator here",
-)
-
-
-@needs_cpu_target
 @pytest.mark.parametrize("max_prefetch", [0, 2])
 def test_normalizes_the_input_on_the_cpu(max_prefetch: int) -> None:
     plain = list(DataLoader(Images(), batch_size=3))
@@ -125,11 +118,7 @@ def test_every_argument_is_a_same_named_attribute_and_in_the_signature() -> None
 @pytest.mark.parametrize(
     ("kwargs", "exc", "pattern"),
     [
-        (
-            {"device": "cuda:7"} if not torch.cuda.is_available() else {"device": "cuda:99"},
-            ValueError,
-            r"`device` 'cuda:(7|99)'",
-        ),
+        ({"device": "cuda:7"}, ValueError, r"`device` 'cuda:7'"),
         ({"device": "tpu"}, ValueError, r"`device` 'tpu'"),
         ({"mean": MEAN}, ValueError, r"`mean` was given without `std`"),
         ({"dtype": torch.int64}, ValueError, r"`dtype` must be a floating dtype"),

@@ -1,4 +1,5 @@
-"""Shared fixtures: every test must leave no prefetchx thread and no worker process behind."""
+"""Shared fixtures: every test must leave no prefetchx thread and no worker process behind, and
+only `cuda`-marked tests see an accelerator."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Iterator
 
 import psutil
 import pytest
+import torch
 
 LEAK_WAIT = 15.0
 """Seconds a test's threads and workers get to end after it returns (a worker that is busy with a
@@ -59,10 +61,33 @@ def no_leaks() -> Iterator[None]:
         pytest.fail(f"test leaked threads {threads} and worker processes {workers}")
 
 
+@pytest.fixture(autouse=True)
+def no_accelerator_unless_marked(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outside `cuda`-marked tests, this machine looks like one without an accelerator.
+
+    ``device=None`` picks the accelerator when there is one, so on a GPU machine the CPU tests
+    would otherwise move their batches to the GPU. They describe the CPU path and must run as
+    they do in CI; the GPU path is the `cuda`-marked tests'. Child processes get no visible
+    CUDA device either (``CUDA_VISIBLE_DEVICES`` is restored after the test). A test that fakes
+    an accelerator patches these again, and its patches win.
+    """
+    if request.node.get_closest_marker("cuda") is not None:
+        return
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    if accelerator is not None:
+        monkeypatch.setattr(accelerator, "is_available", lambda: False)
+        monkeypatch.setattr(accelerator, "device_count", lambda: 0)
+        monkeypatch.setattr(accelerator, "current_accelerator", lambda *args, **kwargs: None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip `cuda`-marked tests cleanly where no CUDA device is present."""
-    import torch
-
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
