@@ -195,7 +195,8 @@ def machine_meta() -> dict[str, Any]:
             text=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"  # an installed copy, not a checkout
+        # An installed copy or a copied tree, not a checkout: whoever copied it may say.
+        commit = os.environ.get("PREFETCHX_COMMIT", "unknown")
     meta: dict[str, Any] = {
         "prefetchx": __version__,
         "commit": commit,

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from prefetchx.__main__ import main
-from prefetchx._bench import Case, Work, measure
+from prefetchx._bench import Case, Work, machine_meta, measure
 
 
 def test_measure_shows_the_thread_overlapping_sleeps() -> None:
@@ -47,6 +49,28 @@ def test_bench_quick_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert {row["arm"] for row in data["results"]} == {"plain", "recipe", "prefetchx"}
     assert data["meta"]["torch"]
     assert data["jpeg"] == []  # --quick skips the JPEG workload
+
+
+def test_meta_names_the_commit_of_a_checkout_or_of_a_copied_tree(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PREFETCHX_COMMIT", "abc1234")
+    run = subprocess.run  # platform calls it too
+    git_answer: str | None = "fed4321\n"
+
+    def git(args: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        if args[0] != "git":
+            return run(args, **kwargs)
+        if git_answer is None:
+            raise subprocess.CalledProcessError(128, args)
+        return subprocess.CompletedProcess(args, 0, stdout=git_answer)
+
+    monkeypatch.setattr(subprocess, "run", git)
+    assert machine_meta()["commit"] == "fed4321"  # git's answer comes first
+    git_answer = None
+    assert machine_meta()["commit"] == "abc1234"
+    monkeypatch.delenv("PREFETCHX_COMMIT")
+    assert machine_meta()["commit"] == "unknown"
 
 
 def test_bench_plot_writes_a_png(tmp_path: Path) -> None:
