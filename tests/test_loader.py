@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import multiprocessing.context
 import os
 import signal
 import subprocess
@@ -264,6 +265,54 @@ def test_source_iterator_is_created_on_the_calling_thread() -> None:
     dataset = Stream(5)
     assert as_lists(DataLoaderX(dataset, batch_size=2)) == [[0, 1], [2, 3], [4]]
     assert dataset.iter_threads == [threading.current_thread().name]
+
+
+class _WatchedStarts(multiprocessing.context.ForkContext):
+    """A multiprocessing context that notes, at each worker's start, the starting thread and
+    the ``prefetchx-*`` threads alive then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.starts: list[tuple[str, list[str]]] = []
+        watched = self
+
+        class Process(multiprocessing.context.ForkProcess):
+            def start(self) -> None:
+                prefetchx = [t.name for t in _prefetchx_threads()]
+                watched.starts.append((threading.current_thread().name, prefetchx))
+                super().start()
+
+        self.Process = Process  # type: ignore[misc,assignment]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_workers_start_from_the_calling_thread_with_no_prefetchx_thread_alive(
+    persistent: bool,
+) -> None:
+    # FIELD pitfall 9: DataLoader installs its worker-failure handler only from the main
+    # thread, and a process started while another thread runs may inherit its held locks.
+    context = _WatchedStarts()
+    loader = DataLoaderX(
+        Squares(40),
+        batch_size=2,
+        num_workers=2,
+        persistent_workers=persistent,
+        multiprocessing_context=context,
+    )
+    try:
+        assert len(as_lists(loader)) == 20  # a whole epoch
+        for _batch in loader:  # an epoch broken after one batch
+            break
+        it = iter(loader)  # an epoch whose iterator is dropped mid-epoch
+        next(it)
+        del it
+        held = iter(loader)  # an epoch whose iterator is still held when the next one starts
+        next(held)
+        assert len(as_lists(loader)) == 20
+    finally:
+        loader.close()
+    me = threading.current_thread().name
+    assert context.starts == [(me, [])] * (2 if persistent else 10)
 
 
 def test_memory_is_bounded_by_max_prefetch() -> None:
