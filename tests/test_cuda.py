@@ -121,15 +121,24 @@ def test_second_gpu_and_the_thread_uses_it() -> None:
     assert dataset.devices == {1}
 
 
-def test_cuda_sanitizer_finds_no_stream_race() -> None:
-    code = """
+_SANITIZED_LOOP = """
 import torch
 from prefetchx import DataLoaderX
+from prefetchx._device import CudaStreams
 from tests.test_cuda import Images, MEAN, STD
+
+
+class NoFenceAfter(CudaStreams):
+    def wait(self, stream, event):
+        pass  # planted race: the caller no longer waits for its batch's copy
+
+
 conv = torch.nn.Conv2d(3, 8, 3).cuda()
 for depth in (0, 1, 2):
     loader = DataLoaderX(Images(48), batch_size=8, device="cuda", mean=MEAN, std=STD,
                          device_prefetch=depth)
+    if PLANT:
+        loader._pipeline._streams = NoFenceAfter(loader._pipeline.target)
     for epoch in range(2):
         for x, y, _ in loader:
             out = conv(x).relu_().sum() + y.sum()
@@ -137,13 +146,28 @@ for depth in (0, 1, 2):
         torch.cuda.synchronize()
 print("ok")
 """
+
+
+def _sanitized(plant: bool) -> subprocess.CompletedProcess[str]:
+    code = f"PLANT = {plant}\n{_SANITIZED_LOOP}"
     env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
     )
+
+
+def test_cuda_sanitizer_finds_no_stream_race() -> None:
+    done = _sanitized(plant=False)
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.strip().endswith("ok")
     assert "CSAN" not in done.stderr, done.stderr[-4000:]
+
+
+def test_cuda_sanitizer_finds_the_race_of_a_missing_fence() -> None:
+    # The control: without it, a quiet sanitizer could mean a sanitizer that never ran.
+    done = _sanitized(plant=True)
+    assert done.returncode != 0, done.stdout[-2000:]
+    assert "CSAN detected a possible data race" in done.stderr, done.stderr[-4000:]
 
 
 @pytest.mark.parametrize(("max_prefetch", "device_prefetch"), [(0, 0), (2, 1), (2, 3)])
