@@ -4,9 +4,9 @@
 #     benchmarks/gpu_run.sh OUTDIR
 #
 # 1. The whole test suite. The `cuda`-marked tests (values against the CPU reference, devices,
-#    one side stream, flat reserved memory, the CUDA sanitizer run, resume on the device, the
-#    two-GPU tests where there are two) see the GPU; the others run as on a CPU machine
-#    (conftest.py). Written to OUTDIR/tests-<gpu>.txt.
+#    one side stream, flat reserved memory, the CUDA sanitizer run and its planted-race
+#    control, resume on the device, the two-GPU tests where there are two) see the GPU; the
+#    others run as on a CPU machine (conftest.py). Written to OUTDIR/tests-<gpu>.txt.
 # 2. `python -m prefetchx bench`, CUDA section included: OUTDIR/bench-<gpu>.{txt,json}.
 #
 # Each .txt starts with a line naming the GPU, driver, torch, Python and commit; copy the files
