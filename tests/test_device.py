@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 
 import pytest
 import torch
@@ -98,3 +99,71 @@ def test_default_device_follows_set_device_on_a_real_gpu() -> None:
         assert [batch.device for batch in loader] == [torch.device("cuda", last)] * 2
     finally:
         torch.cuda.set_device(before)
+
+
+has_accelerator_api = pytest.mark.skipif(
+    getattr(torch, "accelerator", None) is None, reason="torch.accelerator needs torch >= 2.6"
+)
+
+
+class _FakeAccelerator:
+    """``count`` devices of ``kind`` as `torch.accelerator` reports them (not CUDA, not MPS)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, kind: str, count: int) -> None:
+        self.current = 0
+        self.set_in: list[tuple[str, int]] = []
+        monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+        monkeypatch.setattr(torch.accelerator, "device_count", lambda: count)
+        monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *_: torch.device(kind))
+        monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: self.current)
+        monkeypatch.setattr(torch.accelerator, "set_device_index", self.set_device_index)
+
+    def set_device_index(self, index: int) -> None:
+        self.set_in.append((threading.current_thread().name, index))
+        self.current = index
+
+
+@has_accelerator_api
+def test_another_accelerator_is_resolved_checked_and_set_in_the_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    xpus = _FakeAccelerator(monkeypatch, "xpu", count=2)
+    torch.accelerator.set_device_index(1)
+    assert resolve_device(None) == torch.device("xpu", 1)
+    assert resolve_device("xpu") == torch.device("xpu", 1)
+    assert resolve_device("xpu:0") == torch.device("xpu", 0)
+    with pytest.raises(ValueError, match=r"`device` 'xpu:2' does not exist: .* 2 xpu device"):
+        resolve_device("xpu:2")
+    with pytest.raises(ValueError, match=r"`device` 'hpu' is not available: .* here is xpu"):
+        resolve_device("hpu")
+    with pytest.raises(ValueError, match=r"CUDA is not available"):
+        resolve_device("cuda")
+    xpus.set_in.clear()
+    with ThreadStage(iter(range(3)), device=resolve_device(None)) as stage:
+        assert list(stage) == [0, 1, 2]
+    assert xpus.set_in == [("prefetchx-thread", 1)]
+
+
+def test_without_an_accelerator_another_kind_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"`device` 'xpu' is not available: .* here is none"):
+        resolve_device("xpu")
+
+
+def test_mps_is_resolved_and_copied_to_without_streams_or_pinning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # FIELD pitfall 6: non_blocking copies to MPS have corrupted data, so they block there.
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    if getattr(torch, "accelerator", None) is not None:
+        monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+        monkeypatch.setattr(
+            torch.accelerator, "current_accelerator", lambda *_: torch.device("mps")
+        )
+        assert resolve_device(None) == torch.device("mps", 0)
+    assert resolve_device("mps") == torch.device("mps", 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no pin_memory warning: pinning is for CUDA
+        loader = DataLoaderX(torch.arange(8.0), batch_size=4, device="mps", pin_memory=False)
+    assert loader.device == "mps"
+    assert not loader.pin_memory
+    assert loader._pipeline._side_streams() is None
