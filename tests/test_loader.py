@@ -64,26 +64,6 @@ def test_same_batches_as_dataloader_map_style(max_prefetch: int, num_workers: in
         assert as_lists(ours) == as_lists(plain)
 
 
-@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
-def test_same_batches_with_workers_that_do_not_fork(start_method: str) -> None:
-    # forkserver is Python 3.14's default on Linux, spawn the one on macOS and Windows: the
-    # workers get pickled arguments and a fresh interpreter, and persistent ones outlive epochs.
-    plain, ours = _loader_pair(
-        dataset=Squares(23),
-        batch_size=4,
-        shuffle=True,
-        num_workers=2,
-        persistent_workers=True,
-        multiprocessing_context=start_method,
-    )
-    try:
-        for _ in range(2):
-            assert as_lists(ours) == as_lists(plain)
-    finally:
-        ours.close()
-        plain._iterator = None
-
-
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_same_batches_as_dataloader_iterable(num_workers: int) -> None:
     plain, ours = _loader_pair(dataset=Stream(30), batch_size=4, num_workers=num_workers)
@@ -92,9 +72,17 @@ def test_same_batches_as_dataloader_iterable(num_workers: int) -> None:
     assert sorted(x for batch in expected for x in batch) == list(range(30))  # type: ignore[attr-defined]
 
 
-def test_persistent_workers_epochs_match_dataloader() -> None:
+# fork, forkserver (Python 3.14's default on Linux) and spawn (macOS and Windows): the last two
+# give workers pickled arguments and a fresh interpreter.
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_persistent_workers_epochs_match_dataloader(start_method: str) -> None:
     plain, ours = _loader_pair(
-        dataset=Squares(40), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True
+        dataset=Squares(40),
+        batch_size=4,
+        shuffle=True,
+        num_workers=2,
+        persistent_workers=True,
+        multiprocessing_context=start_method,
     )
     records: list[list[object]] = []
     try:
