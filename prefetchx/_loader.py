@@ -4,23 +4,30 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from prefetchx._engine import JOIN_TIMEOUT
-from prefetchx._pipeline import Pipeline, Stage
+from prefetchx import _engine
+from prefetchx._iterator import Epoch, PrefetchIterator
+from prefetchx._pipeline import Pipeline
 from prefetchx._resume import (
-    EpochIndices,
     IndexRecorder,
+    IterableResume,
+    Position,
     Resume,
+    before_first_draw,
+    between_epochs,
     describe,
     random_generators,
 )
 from prefetchx._stats import EpochStats
+from prefetchx._thread_stage import settle
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -35,7 +42,7 @@ class DataLoaderX(DataLoader[T_co]):
 
     A thread only helps a loop that does work between batches: while the loop's median step
     is under 50 us, batches are made in the caller's thread, in order, and the thread waits
-    (see `ThreadStage`). ``loader.stats`` is the stall meter of the current or last epoch.
+    (see `ThreadStage`). ``loader.stats`` is the stall meter of the epoch started last.
 
     With an accelerator (``device``, or the current accelerator when ``device`` is ``None``), a
     second stage copies the next ``device_prefetch`` batches to it on a side stream while the
@@ -43,22 +50,31 @@ class DataLoaderX(DataLoader[T_co]):
     states the stream invariants.
     On the CPU the same normalization runs in the background thread instead.
 
-    Lifecycle: each ``iter()`` first stops the previous epoch's thread, then creates the
-    DataLoader iterator on the calling thread and starts a new thread over it. The thread stops,
-    and releases the DataLoader iterator (so its workers shut down), when the epoch ends, when the
-    iterator is closed, garbage collected or left by an early ``break``, when an error is
-    re-raised, when ``close()`` is called, and at interpreter exit. ``close()`` may be called any
-    number of times; the loader can be iterated again after it (a closed loader reopens).
+    Iterators, as with `DataLoader`: each ``iter()`` returns a new, independent iterator
+    (``zip(loader, loader)``, nested loops, a validation pass inside the training loop each get
+    their own epoch); with ``persistent_workers=True`` DataLoader keeps one iterator and resets it
+    at each ``iter()``. The DataLoader iterator is made on the calling thread at ``iter()``; the
+    first batch of an epoch is made in the caller's thread at the first ``next()``, so random
+    draws happen where and when DataLoader makes them; then the thread starts. An error raised
+    for a batch reaches the caller with its type and traceback, and the next ``next()`` goes on
+    with the batch after it. An iterator has ``len()``; ``close()`` on it, or leaving a ``with``
+    block, stops its thread (waiting for it, bounded); a dropped iterator, an early ``break`` or
+    an exception in the loop asks the thread to stop and never waits. See
+    ``prefetchx._iterator`` for the whole lifecycle.
+
+    Where prefetching cannot be exact: a dataset that draws from the global RNG (torch's, numpy's
+    or Python's) in ``__getitem__`` with ``num_workers=0`` draws in the thread, interleaved with
+    the caller's own draws, so its draws differ from DataLoader's; so do a sampler's draws after
+    its first (torch's own samplers draw only at the first). The way out: ``num_workers > 0``
+    (workers have their own RNG), or ``max_prefetch=0`` (no thread). Warnings raised while the
+    thread makes a batch are shown when the caller receives it, filtered as they were raised.
 
     `state_dict` and `load_state_dict` resume a broken epoch exactly, counting only the batches
     the caller received; Lightning saves and restores them in its checkpoints.
 
-    Errors raised in the dataset, the collate function or a worker reach the caller with their
-    type and traceback and end the epoch; the loader can be iterated again. Ctrl-C while waiting
-    for a batch raises `KeyboardInterrupt` at once and ends the epoch.
-
     Args:
-        *args: Positional `DataLoader` arguments.
+        dataset: The dataset, as `DataLoader`'s.
+        *args: Positional `DataLoader` arguments after ``dataset``.
         max_prefetch: Batches the background thread keeps ready. ``0`` runs no thread: batches
             are produced in the caller's thread as by `DataLoader`.
         device: Where batches go: ``None`` for the current accelerator if there is one, else
@@ -93,6 +109,7 @@ class DataLoaderX(DataLoader[T_co]):
 
     def __init__(
         self,
+        dataset: Dataset[T_co],
         *args: Any,
         max_prefetch: int = 2,
         device: str | torch.device | int | None = None,
@@ -128,53 +145,93 @@ class DataLoaderX(DataLoader[T_co]):
         self.input_key = input_key
         self.device_prefetch = device_prefetch
         self.non_blocking = non_blocking
-        self._recorder: IndexRecorder | None = None
-        self._epoch: EpochIndices | None = None
-        self._resume: Resume | None = None
+        self._latest: Epoch | None = None
+        self._resume: Resume | IterableResume | None = None
+        self._live: weakref.WeakSet[PrefetchIterator[Any]] = weakref.WeakSet()
         if self._pipeline.target.type == "cuda":
-            kwargs = _pin_by_default(args, kwargs)
-        super().__init__(*args, **kwargs)
+            kwargs = _pin_by_default(dataset, args, kwargs)
+        super().__init__(dataset, *args, **kwargs)
 
-    def __iter__(self) -> Stage:  # type: ignore[override]  # DataLoader names its private iterator class
-        self._stop_current_epoch()
-        resume, self._resume = self._resume, None
-        recorder = self._index_recorder()
-        # On the calling thread: DataLoader installs its worker-failure (SIGCHLD) handler only
-        # from the main thread, and forking workers from a side thread is unsafe. A shuffling
-        # sampler draws here too, in DataLoader's order.
-        with recorder.epoch(resume) if recorder is not None else contextlib.nullcontext():
-            batches: Iterator[Any] = super().__iter__()
-        self._epoch = recorder.current if recorder is not None else None
-        return self._pipeline.start(batches)
+    def __iter__(self) -> PrefetchIterator[Any]:  # type: ignore[override]  # DataLoader names its private iterator class
+        # DataLoader's own __iter__ decides, as for DataLoader: a new iterator each time
+        # (`_get_iterator`, below), or with persistent workers the one it keeps, reset
+        # (`PrefetchIterator._reset`).
+        return super().__iter__()  # type: ignore[return-value]  # our _get_iterator's
+
+    def _get_iterator(self) -> PrefetchIterator[Any]:  # type: ignore[override]  # as __iter__
+        """A new iterator: DataLoader's own, made here on the calling thread, behind the stages.
+
+        On the calling thread because DataLoader installs its worker-failure (SIGCHLD) handler
+        only from the main thread, forking workers from a side thread is unsafe, and a shuffling
+        sampler with workers draws here, in DataLoader's order.
+        """
+        if self.num_workers > 0:
+            # Workers fork: let threads of abandoned iterators finish first (see settle).
+            settle(_engine.JOIN_TIMEOUT)
+        recorder = self._new_recorder()
+        epoch, building = self._begin_epoch(recorder, draws_base_seed=True)
+        with _handing(self, recorder), building:
+            source = super()._get_iterator()
+        iterator: PrefetchIterator[Any] = PrefetchIterator(
+            source, self._pipeline, epoch, keep_source=self._keeps_iterator(), recorder=recorder
+        )
+        self._live.add(iterator)
+        return iterator
 
     @property
     def stats(self) -> EpochStats:
-        """The stall meter of the current epoch, or of the last one once it has ended."""
-        return self._pipeline.stats
+        """The stall meter of the epoch the loader started last (by ``iter()``), running or not.
+
+        Each iterator has its own, as ``iter(loader).stats``.
+        """
+        return self._latest.stats if self._latest is not None else EpochStats()
 
     @property
     def _index_sampler(self) -> Any:
-        """DataLoader's index sampler, recorded (see `prefetchx._resume`) for map-style data."""
-        recorder = self._index_recorder()
-        return recorder if recorder is not None else super()._index_sampler
+        """DataLoader's index sampler; the iterator being made gets its own `IndexRecorder`."""
+        handed = getattr(_handover, "pair", None)
+        if handed is not None and handed[0] is self:
+            return handed[1]
+        return super()._index_sampler
 
-    def _index_recorder(self) -> IndexRecorder | None:
+    def _new_recorder(self) -> IndexRecorder | None:
         if isinstance(self.dataset, IterableDataset):
             return None  # no sampler: DataLoader's placeholder draws nothing to record
-        if self._recorder is None:
-            # Made on first use: sampler and batch sampler never change after __init__.
-            self._recorder = IndexRecorder(super()._index_sampler, random_generators(self))
-        return self._recorder
+        return IndexRecorder(super()._index_sampler, random_generators(self))
+
+    def _begin_epoch(
+        self, recorder: IndexRecorder | None, draws_base_seed: bool
+    ) -> tuple[Epoch, contextlib.AbstractContextManager[None]]:
+        """A new epoch, fresh or resumed: what to report of it, and what to wrap DataLoader's
+        making or resetting of its iterator in."""
+        resume, self._resume = self._resume, None
+        epoch: Epoch
+        building: contextlib.AbstractContextManager[None]
+        if recorder is None:
+            epoch, building = Epoch(None), contextlib.nullcontext()
+        else:
+            assert not isinstance(resume, IterableResume)  # load_state_dict checked the kind
+            position = Position()
+            recorder.begin(position, resume, draws_base_seed)
+            epoch, building = Epoch(position), recorder.building(draws_base_seed)
+        self._latest = epoch
+        return epoch, building
+
+    def _keeps_iterator(self) -> bool:
+        """Whether DataLoader keeps one iterator for all epochs (persistent workers)."""
+        return bool(self.persistent_workers and self.num_workers > 0)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loop is in the epoch, as plain data, to resume it exactly later.
 
-        Counts the batches the loop has received, not those the stages have made ahead. Call it
-        when you checkpoint the model; the state fits ``torch.save`` and
+        Counts the batches the loop has received (an error raised in a batch's place counts as
+        that batch), not those the stages have made ahead, of the epoch the loader started last.
+        Call it when you checkpoint the model; the state fits ``torch.save`` and
         ``torch.load(weights_only=True)``. See `load_state_dict`.
 
-        Raises:
-            TypeError: The dataset is an ``IterableDataset``: it has no sampler to replay.
+        For an ``IterableDataset`` the state says how far the loop got but cannot resume inside
+        an epoch (there is no sampler to replay); it restores between epochs, and lets
+        checkpointing frameworks save and load the loader alike.
 
         Examples:
             >>> loader = DataLoaderX(range(10), batch_size=2, max_prefetch=1)
@@ -190,21 +247,33 @@ class DataLoaderX(DataLoader[T_co]):
             >>> [batch.tolist() for batch in again]
             [[4, 5], [6, 7], [8, 9]]
         """
-        recorder = self._resumable("state_dict")
-        resume = self._resume
-        epoch, tally = self._epoch, self._pipeline.tally
-        if resume is None and epoch is not None and tally is not None and not tally.ended:
-            consumed = epoch.skipped + tally.count
-            check = epoch.first_digest if consumed else 0
-            resume = Resume(True, consumed, check, list(epoch.rng_states))
-        elif resume is None:
-            # Between epochs: the next one draws from the generators as they are now; the global
-            # RNG is the caller's to save and restore, as for the rest of training.
-            states = [
-                None if g is torch.default_generator else g.get_state() for g in recorder.generators
-            ]
-            resume = Resume(False, 0, 0, states)
-        return resume.to_state(describe(self, recorder.sampler))
+        described = describe(self, super()._index_sampler)
+        if self._resume is not None:  # loaded and not used yet: the same state back
+            return self._resume.to_state(described)
+        epoch = self._latest
+        in_epoch = epoch is not None and not epoch.tally.ended
+        if isinstance(self.dataset, IterableDataset):
+            consumed = epoch.tally.count if epoch is not None and in_epoch else 0
+            return IterableResume(in_epoch, consumed).to_state(described)
+        generators = random_generators(self)
+        if epoch is None or not in_epoch:
+            state = between_epochs(generators, base_seed_next=not self._has_kept_iterator())
+        else:
+            position = epoch.position
+            assert position is not None  # map-style epochs have one
+            if not position.drawn:
+                state = before_first_draw(position, generators)
+            else:
+                assert position.at_iter is not None
+                assert position.at_draw is not None
+                consumed = position.skipped + epoch.tally.count
+                state = Resume(
+                    True, consumed, position.digest, position.at_iter, position.at_draw, False
+                )
+        return state.to_state(described)
+
+    def _has_kept_iterator(self) -> bool:
+        return self._keeps_iterator() and self._iterator is not None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from a `state_dict` at the next ``iter()``.
@@ -218,52 +287,80 @@ class DataLoaderX(DataLoader[T_co]):
         ``DistributedSampler``'s epoch is yours to set, as always.
 
         Random augmentations drawn in the dataset from the workers' RNG are not replayed: they
-        depend on what each worker drew before, which skipping does not load.
+        depend on what each worker drew before, which skipping does not load. An
+        ``IterableDataset`` cannot be resumed inside an epoch: such a state warns, and the next
+        epoch starts from the beginning of the dataset.
 
         Raises:
-            TypeError: ``state`` is not a state of a `DataLoaderX`, or the dataset is iterable.
-            ValueError: ``state`` comes from a loader with another dataset length, batch size,
-                ``drop_last``, sampler or shard, or its replay draws other indices.
+            TypeError: ``state`` is not a state of a `DataLoaderX`.
+            ValueError: A field of ``state`` is missing or malformed (the message names it),
+                ``state`` comes from a loader with another dataset length, batch size,
+                ``drop_last``, sampler or shard, or (at the next ``iter()`` or first batch) its
+                replay draws other indices.
         """
-        recorder = self._resumable("load_state_dict")
-        self._resume = Resume.from_state(
-            state, describe(self, recorder.sampler), len(recorder.generators)
-        )
-
-    def _resumable(self, method: str) -> IndexRecorder:
-        recorder = self._index_recorder()
-        if recorder is None:
-            raise TypeError(
-                f"prefetchx: {method}() needs a map-style dataset; an IterableDataset has no "
-                "sampler to replay, so only the dataset itself can say where it was."
-            )
-        return recorder
-
-    def _stop_current_epoch(self) -> None:
-        if self._pipeline.stop() and self.persistent_workers:
-            # Resetting the shared iterator under a thread that still calls next() on it would
-            # mix two epochs' batches; refuse instead.
-            raise RuntimeError(
-                f"prefetchx: the previous epoch's thread is still inside the DataLoader iterator "
-                f"after {JOIN_TIMEOUT:g} s, and persistent_workers=True shares that iterator "
-                "between epochs, so the next epoch cannot start safely. Is the dataset blocked?"
-            )
+        described = describe(self, super()._index_sampler)
+        if isinstance(self.dataset, IterableDataset):
+            resume = IterableResume.from_state(state, described)
+            if resume.in_epoch and resume.consumed:
+                warnings.warn(
+                    f"prefetchx: the state was taken {resume.consumed} batches into an epoch of "
+                    "an IterableDataset, which has no sampler to replay; the next epoch starts "
+                    "from the beginning of the dataset.",
+                    stacklevel=2,
+                )
+            self._resume = resume
+        else:
+            self._resume = Resume.from_state(state, described, random_generators(self))
 
     def close(self) -> None:
-        """Stop the current epoch's thread and shut down persistent workers. Idempotent.
+        """Stop every iterator of this loader still running, and shut down persistent workers.
 
-        The loader stays usable: a later ``iter()`` starts afresh.
+        Each iterator's thread is waited for, bounded (see `PrefetchIterator.close`), and so are
+        the threads of iterators dropped earlier that are still finishing a batch. The loader
+        stays usable: a later ``iter()`` starts afresh.
         """
-        self._stop_current_epoch()
-        # DataLoader keeps the iterator of persistent workers; dropping it shuts them down just as
-        # deleting the loader would.
+        kept: Any = self._iterator  # DataLoader's persistent iterator: one of ours
         self._iterator = None
+        for iterator in list(self._live):
+            if iterator is kept:
+                iterator._abandon()
+            else:
+                iterator.close()
+        settle(_engine.JOIN_TIMEOUT)
 
     def __enter__(self) -> DataLoaderX[T_co]:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # What DataLoader pickles and copies, less the weak set of running iterators.
+        state = self.__dict__.copy()
+        state["_live"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__dict__["_live"] = weakref.WeakSet()
+
+
+_handover = threading.local()
+"""``(loader, recorder)`` while that loader's DataLoader makes an iterator on this thread."""
+
+
+@contextlib.contextmanager
+def _handing(loader: DataLoaderX[Any], recorder: IndexRecorder | None) -> Iterator[None]:
+    """While DataLoader makes its iterator, ``loader._index_sampler`` is ``recorder``."""
+    if recorder is None:
+        yield
+        return
+    previous = getattr(_handover, "pair", None)
+    _handover.pair = (loader, recorder)
+    try:
+        yield
+    finally:
+        _handover.pair = previous
 
 
 _PREFETCH_DEFAULTS: dict[str, Any] = {
@@ -289,9 +386,12 @@ def _signature() -> inspect.Signature:
     return base.replace(parameters=[*base.parameters.values(), *ours])
 
 
-def _pin_by_default(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+def _pin_by_default(
+    dataset: object, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
     """Turn ``pin_memory`` on unless the caller chose; warn once if they turned it off."""
-    given = inspect.signature(DataLoader.__init__).bind_partial(None, *args, **kwargs).arguments
+    signature = inspect.signature(DataLoader.__init__)
+    given = signature.bind_partial(None, dataset, *args, **kwargs).arguments
     if "pin_memory" not in given:
         return {**kwargs, "pin_memory": True}
     if not given["pin_memory"]:

@@ -1,9 +1,7 @@
-"""The two stages wired together, and the lifecycle of the epoch that runs them."""
+"""The prefetch arguments, checked, and the two stages they build over a source iterator."""
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -13,20 +11,18 @@ from prefetchx._batch import map_input
 from prefetchx._checks import check_bool, check_input_key, check_int
 from prefetchx._device import CudaStreams, resolve_device
 from prefetchx._device_stage import DeviceStage
-from prefetchx._engine import JOIN_TIMEOUT
 from prefetchx._normalize import Normalize
-from prefetchx._stats import EpochStats, Tally
+from prefetchx._stats import EpochStats
 from prefetchx._thread_stage import ThreadStage
 
 Stage = ThreadStage[Any] | DeviceStage
 
 
 class Pipeline:
-    """The prefetch arguments, checked, and the stages they build over one epoch's batches.
+    """The prefetch arguments, checked, and the stages they build over one source iterator.
 
-    One per loader. It makes the target's side stream once, and keeps weak references to the
-    running epoch so that a dropped iterator still stops its thread, while `stop` can wait for
-    that thread before the next epoch touches the source.
+    One per loader. It holds no epoch: every iterator gets its own stages from `build`. It makes
+    the target's side stream once, the first time a device stage needs it.
     """
 
     def __init__(
@@ -49,47 +45,35 @@ class Pipeline:
         self.normalize = Normalize(mean, std, dtype, channels_last)
         self.target = resolve_device(device)
         self._streams: CudaStreams | None = None
-        self._stage_ref: weakref.ref[Stage] | None = None
-        self._thread_ref: weakref.ref[threading.Thread] | None = None
-        self.stats = EpochStats()
-        self.tally: Tally | None = None
 
-    def start(self, batches: Iterator[Any]) -> Stage:
-        """The stages over one epoch's host batches: a thread, then the device if there is one."""
-        stage: Stage
+    def build(self, source: Iterator[Any], stats: EpochStats, *, reapable: bool = False) -> Stage:
+        """The stages over ``source``: a thread, then the device if there is one.
+
+        ``reapable``: nothing else uses ``source`` (see `ThreadStage`).
+        """
         if self.target.type == "cpu":
             if self.normalize.active:  # in the thread, so it overlaps the caller's step
-                batches = map(self._normalize_input, batches)
-            stage = ThreadStage(batches, self.max_prefetch)
-        else:
-            stage = DeviceStage(
-                ThreadStage(batches, self.max_prefetch, device=self.target),
-                self.target,
-                streams=self._side_streams(),
-                normalize=self.normalize,
-                input_key=self.input_key,
-                device_prefetch=self.device_prefetch,
-                non_blocking=self.non_blocking,
-            )
-        self._stage_ref = weakref.ref(stage)
-        thread = stage.thread
-        self._thread_ref = weakref.ref(thread) if thread is not None else None
-        self.stats = stage.stats
-        self.tally = stage.tally
-        return stage
-
-    def stop(self) -> bool:
-        """Stop the running epoch's thread and wait for it, bounded; whether it is still alive."""
-        stage = self._stage_ref() if self._stage_ref is not None else None
-        thread = self._thread_ref() if self._thread_ref is not None else None
-        self._stage_ref = self._thread_ref = None
-        if stage is not None:
-            stage.close()  # stops the thread and waits for it, bounded
-        elif thread is not None and thread is not threading.current_thread():
-            # The stage was dropped after an interrupt, which stops the thread without waiting;
-            # threading keeps a running thread referenced, so the weak reference still holds.
-            thread.join(JOIN_TIMEOUT)
-        return thread is not None and thread.is_alive()
+                source = map(self._normalize_input, source)
+            return ThreadStage(source, self.max_prefetch, stats=stats, reapable=reapable)
+        # The device stage takes only batches already waiting: a parked thread would leave it
+        # nothing to copy ahead.
+        thread = ThreadStage(
+            source,
+            self.max_prefetch,
+            device=self.target,
+            adaptive=False,
+            stats=stats,
+            reapable=reapable,
+        )
+        return DeviceStage(
+            thread,
+            self.target,
+            streams=self._side_streams(),
+            normalize=self.normalize,
+            input_key=self.input_key,
+            device_prefetch=self.device_prefetch,
+            non_blocking=self.non_blocking,
+        )
 
     def _normalize_input(self, batch: Any) -> Any:
         return map_input(batch, self.input_key, self.normalize)
@@ -101,3 +85,7 @@ class Pipeline:
         if self._streams is None:
             self._streams = CudaStreams(self.target)
         return self._streams
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copied or pickled loader makes its own side stream when it first needs one.
+        return {**self.__dict__, "_streams": None}

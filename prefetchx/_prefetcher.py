@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
+from torch.utils.data import DataLoader
 
-from prefetchx._pipeline import Pipeline, Stage
+from prefetchx import _engine
+from prefetchx._iterator import Epoch, PrefetchIterator
+from prefetchx._pipeline import Pipeline
 from prefetchx._stats import EpochStats
+from prefetchx._thread_stage import settle
 
 T = TypeVar("T")
 
@@ -18,8 +23,11 @@ class Prefetcher(Generic[T]):
 
     For loaders you cannot make a `DataLoaderX`, chiefly the one ``accelerate``'s ``prepare``
     returns (it rebuilds every ``DataLoader`` subclass as its own class). Each ``iter()`` calls
-    ``iter(iterable)`` on the calling thread and runs the stages over it, with the same
-    arguments, lifecycle and stall meter as `DataLoaderX`; ``len()`` is the iterable's.
+    ``iter(iterable)`` on the calling thread and returns a new, independent iterator that runs
+    the stages over it, with the same arguments, lifecycle and stall meter as `DataLoaderX`;
+    ``len()`` is the iterable's. Over a ``DataLoader`` with persistent workers, whose ``iter()``
+    resets the one iterator it keeps, a new ``iter()`` first stops the iterators it made before
+    (waiting for their threads, bounded), as DataLoaderX's reset does.
 
     Args:
         iterable: Where batches come from; iterated once per ``iter()``.
@@ -59,6 +67,8 @@ class Prefetcher(Generic[T]):
         non_blocking: bool = True,
     ) -> None:
         self.iterable = iterable
+        self._latest: Epoch | None = None
+        self._live: weakref.WeakSet[PrefetchIterator[T]] = weakref.WeakSet()
         self._pipeline = Pipeline(
             max_prefetch=max_prefetch,
             device=device,
@@ -71,24 +81,47 @@ class Prefetcher(Generic[T]):
             non_blocking=non_blocking,
         )
 
-    def __iter__(self) -> Stage:
-        self._pipeline.stop()
-        return self._pipeline.start(iter(self.iterable))
+    def __iter__(self) -> PrefetchIterator[T]:
+        if _keeps_one_iterator(self.iterable):
+            # iter() will reset the iterator our earlier iterators' threads may still be in.
+            for earlier in list(self._live):
+                earlier.close()
+                if earlier.producer_alive:
+                    raise RuntimeError(
+                        "prefetchx: an earlier iterator's thread is still inside the "
+                        "DataLoader iterator, which persistent workers share between epochs; "
+                        "the next epoch cannot start safely. Is the dataset blocked?"
+                    )
+        epoch = Epoch()
+        iterator: PrefetchIterator[T] = PrefetchIterator(iter(self.iterable), self._pipeline, epoch)
+        self._latest = epoch
+        self._live.add(iterator)
+        return iterator
 
     def __len__(self) -> int:
         return len(self.iterable)  # type: ignore[arg-type]  # TypeError if it has none, as len()
 
     @property
     def stats(self) -> EpochStats:
-        """The stall meter of the current epoch, or of the last one once it has ended."""
-        return self._pipeline.stats
+        """The stall meter of the epoch started last (by ``iter()``), running or not."""
+        return self._latest.stats if self._latest is not None else EpochStats()
 
     def close(self) -> None:
-        """Stop the current epoch's thread. Idempotent; a later ``iter()`` starts afresh."""
-        self._pipeline.stop()
+        """Stop every iterator of this Prefetcher still running, waiting for their threads
+        (bounded), and for those of iterators dropped earlier. Idempotent."""
+        for iterator in list(self._live):
+            iterator.close()
+        settle(_engine.JOIN_TIMEOUT)
 
     def __enter__(self) -> Prefetcher[T]:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _keeps_one_iterator(iterable: Any) -> bool:
+    """Whether ``iter(iterable)`` resets one shared iterator (a DataLoader's persistent workers)."""
+    return bool(
+        isinstance(iterable, DataLoader) and iterable.persistent_workers and iterable.num_workers
+    )

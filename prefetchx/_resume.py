@@ -1,31 +1,50 @@
-"""Exact mid-epoch resume: what the sampler drew, and how far the loop got.
+"""Exact mid-epoch resume: what the sampler drew from, and how far the loop got.
 
-The loader's index sampler (DataLoader's ``_index_sampler``: the batch sampler, or the sampler
-when batching is off) is wrapped in an `IndexRecorder`. Each epoch it notes the state of the
-random generators just before the sampler starts drawing, and a checksum of the first index
-batch. A state is then O(1) plain data: those generator states, how many batches the loop has
-received (counted where batches leave the last stage, so whatever the stages ran ahead does not
-count), and the checksum.
+Each DataLoader iterator that DataLoaderX makes is given an `IndexRecorder` as its index sampler
+(DataLoader's ``_index_sampler``: the batch sampler, or the sampler when batching is off). It hands
+the sampler's index batches on untouched, iterating the sampler exactly when and as often as
+DataLoader asks, and notes, for the epoch's `Position`, the states of the random generators the
+sampler draws from twice: when DataLoader calls ``iter()`` on it (a sampler that shuffles in
+``__iter__`` draws then) and at its first draw (a generator-based sampler such as
+``RandomSampler`` draws then), plus a checksum of the first index batch. A state is then O(1)
+plain data: those generator states, how many batches the loop has received (counted where batches
+leave the last stage, so whatever the stages ran ahead does not count), and the checksum.
 
-Resuming sets the generators to the noted states, draws the consumed batches' indices again
-without loading their data, checks the first one against the checksum, and lets the DataLoader
-load the rest. The caller's global RNG comes out of a resume untouched; a generator of the loader
-or of its sampler comes out where the uninterrupted run's would be, so later epochs draw the same.
+Resuming sets the generators to the noted states at the same two points, draws the consumed
+batches' indices again without loading their data, checks the first one against the checksum,
+and lets the DataLoader load the rest. The caller's global RNG comes out of a resumed ``iter()``
+as it went in; a generator of the loader or of its sampler comes out where the uninterrupted
+run's would be, so later epochs draw the same. DataLoader draws a base seed for its workers from
+the loader's generator (or the global one) whenever it makes a new iterator, but not when
+persistent workers reuse one; a state taken between epochs says which the saved run's next epoch
+would do, and the resumed epoch draws or undoes that draw to match.
 """
 
 from __future__ import annotations
 
 import contextlib
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 FORMAT = "prefetchx.DataLoaderX"
-VERSION = 1
-_FIELDS = {"loader", "epoch_in_progress", "consumed", "digest", "rng_states"}
+VERSION = 2
+_SAMPLER_FIELDS = (
+    "loader",
+    "epoch_in_progress",
+    "consumed",
+    "digest",
+    "rng_states",
+    "rng_states_at_iter",
+    "base_seed_next",
+)
+_ITERABLE_FIELDS = ("loader", "epoch_in_progress", "consumed")
+
+States = list[torch.Tensor | None]
+"""One state per generator of `random_generators`; ``None`` leaves that generator alone."""
 
 
 def digest(indices: Any) -> int:
@@ -37,8 +56,9 @@ def digest(indices: Any) -> int:
 def random_generators(loader: Any) -> list[torch.Generator]:
     """The generators the loader's sampler draws from, in a fixed order, each once.
 
-    The loader's ``generator`` (which DataLoader also gives a shuffling sampler), else the
-    global one; then any other generator the sampler or the batch sampler's sampler holds.
+    First the loader's ``generator``, else the global one: DataLoader draws its workers' base
+    seed from it, and gives it to a shuffling sampler. Then any other generator the sampler or
+    the batch sampler's sampler holds.
     """
     found: list[torch.Generator] = [loader.generator or torch.default_generator]
     batch_sampler = loader.batch_sampler
@@ -47,6 +67,11 @@ def random_generators(loader: Any) -> list[torch.Generator]:
         if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
             found.append(generator)
     return found
+
+
+def draw_base_seed(generator: torch.Generator) -> None:
+    """Draw from ``generator`` what DataLoader draws for its workers' base seed."""
+    torch.empty((), dtype=torch.int64).random_(generator=generator)
 
 
 def set_states(
@@ -82,6 +107,26 @@ def _length(sized: Any) -> int | None:
         return None
 
 
+@dataclass
+class Position:
+    """Where one epoch is in its sampler: filled in as the sampler starts drawing.
+
+    ``skipped`` batches were consumed before a resume; ``at_iter`` and ``at_draw`` are the
+    generators' states when DataLoader called ``iter()`` on the sampler and at its first draw;
+    ``digest`` is the first index batch's checksum (``None`` for an empty epoch).
+    """
+
+    skipped: int = 0
+    at_iter: States | None = None
+    at_draw: States | None = None
+    digest: int | None = None
+
+    @property
+    def drawn(self) -> bool:
+        """Whether the sampler has started this epoch's draws."""
+        return self.at_draw is not None
+
+
 @dataclass(frozen=True)
 class Resume:
     """A loaded state, waiting for the next epoch."""
@@ -89,163 +134,346 @@ class Resume:
     in_epoch: bool
     consumed: int
     digest: int | None
-    rng_states: list[torch.Tensor | None]
+    at_iter: States
+    at_draw: States
+    base_seed_next: bool = True
+    """Between epochs: whether the saved run's next epoch draws DataLoader's base seed first."""
 
     def to_state(self, loader: dict[str, Any]) -> dict[str, Any]:
         """The state as plain data, for the loader that `describe` described."""
         return {
-            "format": FORMAT,
-            "version": VERSION,
-            "loader": loader,
-            "epoch_in_progress": self.in_epoch,
-            "consumed": self.consumed,
+            **_header(loader, self.in_epoch, self.consumed),
             "digest": self.digest,
-            "rng_states": [s.clone() if s is not None else None for s in self.rng_states],
+            "rng_states": _copies(self.at_draw),
+            "rng_states_at_iter": _copies(self.at_iter),
+            "base_seed_next": self.base_seed_next,
         }
 
     @classmethod
-    def from_state(cls, state: object, loader: dict[str, Any], generators: int) -> Resume:
-        """Check ``state`` against this loader's description and generators; parse it."""
-        if not isinstance(state, dict) or state.get("format") != FORMAT:
-            got = state.get("format") if isinstance(state, dict) else type(state).__name__
-            raise TypeError(f"`state` must be a dict from DataLoaderX.state_dict(), got {got!r}.")
-        if state.get("version") != VERSION:
-            raise ValueError(
-                f"`state` has version {state.get('version')!r}; this prefetchx reads version "
-                f"{VERSION}."
-            )
-        missing = sorted(_FIELDS - state.keys())
-        if missing:
-            raise ValueError(f"`state` lacks {', '.join(missing)}: is it a whole state_dict()?")
-        theirs = state["loader"]
-        differ = sorted(k for k in loader.keys() | theirs.keys() if loader.get(k) != theirs.get(k))
-        if differ:
-            detail = "; ".join(
-                f"{k} {theirs.get(k)!r} there, {loader.get(k)!r} here" for k in differ
-            )
-            raise ValueError(f"`state` comes from a different loader: {detail}.")
-        states = list(state["rng_states"])
-        if len(states) != generators:
-            raise ValueError(
-                f"`state` holds {len(states)} random generator states; this loader's sampler "
-                f"draws from {generators}."
-            )
-        check = state["digest"]
-        consumed = state["consumed"]
-        if isinstance(consumed, bool) or not isinstance(consumed, int) or consumed < 0:
-            raise ValueError(f"`state` has consumed={consumed!r}; it must be an int >= 0.")
+    def from_state(
+        cls, state: object, loader: dict[str, Any], generators: Sequence[torch.Generator]
+    ) -> Resume:
+        """Check every field of ``state`` against this loader and its generators; parse it.
+
+        Raises:
+            TypeError: ``state`` is not a DataLoaderX state.
+            ValueError: A field is missing or malformed (the error names it and its value), or
+                the state comes from another loader.
+        """
+        fields = _checked_header(state, _SAMPLER_FIELDS, loader)
+        at_draw = _states(fields, "rng_states", generators)
+        at_iter = _states(fields, "rng_states_at_iter", generators)
         return cls(
-            bool(state["epoch_in_progress"]),
-            consumed,
-            int(check) if check is not None else None,
-            states,
+            in_epoch=_bool(fields, "epoch_in_progress"),
+            consumed=_count(fields, "consumed"),
+            digest=_digest(fields),
+            at_iter=at_iter,
+            at_draw=at_draw,
+            base_seed_next=_bool(fields, "base_seed_next"),
         )
 
 
-class EpochIndices:
-    """One epoch of index batches from the sampler, recorded so that the epoch can be replayed.
+@dataclass(frozen=True)
+class IterableResume:
+    """A loaded state of a loader over an ``IterableDataset``."""
 
-    The sampler's first draw happens in `start`, which the loader calls on its own thread (so a
-    shuffling sampler draws from the global RNG in the same order as under DataLoader), or which
-    the DataLoader's workers' index prefetch triggers while the iterator is being made. What is
-    recorded is taken then: the generators' states and a checksum of the first index batch; after
-    it, `batches` hands the sampler's batches on with no work per batch (a loop with no step work
-    pays for every instruction here).
-    """
+    in_epoch: bool
+    consumed: int
 
-    def __init__(
-        self, sampler: Iterable[Any], generators: Sequence[torch.Generator], resume: Resume | None
-    ) -> None:
-        self._sampler = sampler
-        self._generators = generators
-        self._resume = resume if resume is not None and resume.in_epoch else None
-        self._source: Iterator[Any] | None = None
-        self._lookahead: list[Any] = []
-        self.skipped = self._resume.consumed if self._resume is not None else 0
-        self.rng_states: list[torch.Tensor] = []
-        self.first_digest: int | None = None
+    def to_state(self, loader: dict[str, Any]) -> dict[str, Any]:
+        """The state as plain data."""
+        return _header(loader, self.in_epoch, self.consumed)
 
-    def start(self) -> None:
-        """Note the generators' states, start the sampler, replay skipped batches, draw one."""
-        if self._source is not None:
-            return
-        if self._resume is not None:
-            set_states(self._generators, self._resume.rng_states)
-        self.rng_states = [g.get_state() for g in self._generators]
-        self._source = source = iter(self._sampler)
-        for drawn in range(max(self.skipped, 1)):
-            try:
-                indices = next(source)
-            except StopIteration:
-                if self.skipped:
-                    raise ValueError(
-                        f"prefetchx: the state says the loop received {self.skipped} batches "
-                        f"of this epoch, but the sampler now yields only {drawn}."
-                    ) from None
-                return  # an empty epoch
-            if drawn == 0:
-                self.first_digest = digest(indices)
-            if not self.skipped:  # the first draw of a lazy sampler happens now, on this thread
-                self._lookahead.append(indices)
-        check = self._resume.digest if self._resume is not None else None
-        if self.skipped and check is not None and self.first_digest != check:
-            raise ValueError(
-                f"prefetchx: replaying the state's {self.skipped} consumed batches drew other "
-                "indices than the run that saved it. The sampler's draws are not reproducible "
-                "from torch generators (Python's random or numpy?), or the dataset, sampler or "
-                "seed differ; resuming would train on the wrong samples."
-            )
+    @classmethod
+    def from_state(cls, state: object, loader: dict[str, Any]) -> IterableResume:
+        """Check every field of ``state`` against this loader; parse it."""
+        fields = _checked_header(state, _ITERABLE_FIELDS, loader)
+        return cls(_bool(fields, "epoch_in_progress"), _count(fields, "consumed"))
 
-    def batches(self) -> Iterator[Any]:
-        """The epoch's index batches after the skipped ones; starts the epoch if need be."""
-        self.start()
-        assert self._source is not None  # started above
-        yield from self._lookahead
-        self._lookahead.clear()
-        yield from self._source
+
+def _header(loader: dict[str, Any], in_epoch: bool, consumed: int) -> dict[str, Any]:
+    """The fields every state has."""
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "loader": loader,
+        "epoch_in_progress": in_epoch,
+        "consumed": consumed,
+    }
+
+
+def _copies(states: States) -> States:
+    return [s.clone() if s is not None else None for s in states]
+
+
+def _checked_header(
+    state: object, required: Sequence[str], loader: dict[str, Any]
+) -> dict[str, Any]:
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        got = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise TypeError(f"`state` must be a dict from DataLoaderX.state_dict(), got {got!r}.")
+    if state.get("version") != VERSION:
+        raise ValueError(
+            f"`state` has version {state.get('version')!r}; this prefetchx reads version {VERSION}."
+        )
+    missing = [name for name in required if name not in state]
+    if missing:
+        raise ValueError(f"`state` lacks {', '.join(missing)}: is it a whole state_dict()?")
+    theirs = state["loader"]
+    if not isinstance(theirs, dict):
+        raise ValueError(f"`state['loader']` must be a dict, got {theirs!r}.")
+    differ = sorted(k for k in loader.keys() | theirs.keys() if loader.get(k) != theirs.get(k))
+    if differ:
+        detail = "; ".join(f"{k} {theirs.get(k)!r} there, {loader.get(k)!r} here" for k in differ)
+        raise ValueError(f"`state` comes from a different loader: {detail}.")
+    return state
+
+
+def _bool(state: dict[str, Any], name: str) -> bool:
+    value = state[name]
+    if not isinstance(value, bool):
+        raise ValueError(f"`state['{name}']` must be a bool, got {value!r}.")
+    return value
+
+
+def _count(state: dict[str, Any], name: str) -> int:
+    value = state[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"`state` has {name}={value!r}; it must be an int >= 0.")
+    return value
+
+
+def _digest(state: dict[str, Any]) -> int | None:
+    value = state["digest"]
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32
+    ):
+        raise ValueError(
+            f"`state['digest']` must be None or a 32-bit checksum (an int from 0 to 2**32 - 1), "
+            f"got {value!r}."
+        )
+    return value
+
+
+def _states(state: dict[str, Any], name: str, generators: Sequence[torch.Generator]) -> States:
+    values = state[name]
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(f"`state['{name}']` must be a list of generator states, got {values!r}.")
+    if len(values) != len(generators):
+        raise ValueError(
+            f"`state['{name}']` holds {len(values)} random generator states; this loader's "
+            f"sampler draws from {len(generators)}."
+        )
+    out: States = []
+    for i, (value, generator) in enumerate(zip(values, generators, strict=True)):
+        if value is not None:
+            _check_generator_state(f"state['{name}'][{i}]", value, generator)
+        out.append(value)
+    return out
+
+
+def _check_generator_state(where: str, value: object, generator: torch.Generator) -> None:
+    """Refuse now what ``generator.set_state`` would refuse at the next ``iter()``."""
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
+        got = (
+            f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+            if isinstance(value, torch.Tensor)
+            else repr(value)
+        )
+        raise ValueError(f"`{where}` must be a uint8 generator state from get_state(), got {got}.")
+    probe = torch.Generator(device=generator.device)
+    try:
+        probe.set_state(value)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(
+            f"`{where}` is not a state of a {generator.device} random generator: {exc}"
+        ) from None
 
 
 class IndexRecorder:
-    """Stands in for the loader's index sampler; each ``iter()`` is one recorded epoch.
+    """Stands in for one DataLoader iterator's index sampler; each epoch is `begin`-ed first.
 
-    DataLoader iterates its index sampler once per epoch, also when persistent workers reuse
-    one iterator, so this object lives as long as the loader.
+    DataLoader calls ``iter()`` on its index sampler when it makes an iterator (twice with
+    workers) and at each reset of persistent workers; each call iterates the real sampler once,
+    when DataLoader asks, and the generator it returns notes the epoch's `Position` at its
+    first draw.
     """
 
     def __init__(self, sampler: Any, generators: Sequence[torch.Generator]) -> None:
         self.sampler = sampler
         self.generators = generators
-        self._next: EpochIndices | None = None
-        self.current: EpochIndices | None = None
+        self._global = generators[0] is torch.default_generator
+        self._position = Position()
+        self._resume: Resume | None = None
+        self._building = False
+        self._caller_global: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.sampler)
 
-    def __iter__(self) -> Iterator[Any]:
-        # DataLoader may ask more than once while it makes one iterator (its multiprocessing
-        # iterator resets itself in __init__); every ask inside `epoch` gets that epoch.
-        epoch = self._next or EpochIndices(self.sampler, self.generators, None)
-        return epoch.batches()
+    def begin(self, position: Position, resume: Resume | None, draws_base_seed: bool) -> None:
+        """The next epoch: note it in ``position``, and replay ``resume`` if there is one.
+
+        ``draws_base_seed`` says whether DataLoader draws its base seed for this epoch (a new
+        iterator) or not (persistent workers reset).
+        """
+        self._position = position
+        self._resume = resume
+        if resume is None:
+            return
+        if resume.in_epoch:
+            position.skipped = resume.consumed
+        elif resume.base_seed_next and not draws_base_seed:
+            # The saved run's next epoch draws DataLoader's base seed before its sampler; a reset
+            # draws none here, so draw it, from the generator it would come from.
+            set_states(self.generators[1:], resume.at_draw[1:])
+            if resume.at_draw[0] is not None:
+                self.generators[0].set_state(resume.at_draw[0])
+            draw_base_seed(self.generators[0])
+            self._resume = None  # from here on, a fresh epoch
+        elif resume.base_seed_next:
+            # A new iterator draws the base seed first, as the saved run's next epoch would.
+            set_states(self.generators, resume.at_draw)
+            self._resume = None
 
     @contextlib.contextmanager
-    def epoch(self, resume: Resume | None) -> Iterator[None]:
-        """Around DataLoader's ``__iter__``: set up this epoch's indices, fresh or resumed.
+    def building(self, draws_base_seed: bool) -> Iterator[None]:
+        """Around DataLoader making (or resetting) its iterator for the epoch `begin` set up.
 
-        The sampler's first draw comes after DataLoader's own (its workers' base seed), as under
-        DataLoader, and on this thread. A resumed epoch's first draw sets the generators to the
-        saved states first, replays the consumed batches and checks them; the caller's global
-        RNG is then put back as it was.
+        A resumed epoch must leave the caller's global RNG as it found it, while DataLoader draws
+        its base seed from it here: that draw is undone, at the sampler's first draw if it comes
+        while the iterator is made (workers prime their index queue), else at the end.
         """
-        replaying = resume is not None and resume.in_epoch
-        self.current = epoch = EpochIndices(self.sampler, self.generators, resume)
-        self._next = epoch
-        caller_rng = torch.default_generator.get_state() if replaying else None
-        if resume is not None and not resume.in_epoch:  # the next epoch draws as the saved run's
-            set_states(self.generators, resume.rng_states)
+        resume = self._resume
+        undo = (
+            draws_base_seed
+            and self._global
+            and resume is not None
+            and (resume.in_epoch or not resume.base_seed_next)
+        )
+        self._caller_global = torch.default_generator.get_state() if undo else None
+        self._building = True
         try:
             yield
-            epoch.start()  # unless the workers' index prefetch has started it already
         finally:
-            self._next = None
-            if caller_rng is not None:
-                torch.default_generator.set_state(caller_rng)
+            self._building = False
+            caller, self._caller_global = self._caller_global, None
+            if caller is not None and not self._position.drawn:
+                torch.default_generator.set_state(caller)
+
+    def __iter__(self) -> Iterator[Any]:
+        resume = self._resume if self._resume is not None and self._resume.in_epoch else None
+        if resume is not None:
+            caller = self._caller_state() if resume.at_iter[0] is not None else None
+            set_states(self.generators, resume.at_iter)
+            source = iter(self.sampler)  # a sampler that shuffles in __iter__ draws here
+            self._restore(caller)
+            at_iter = resume.at_iter
+        else:
+            at_iter = self._states()
+            source = iter(self.sampler)
+            self._position.at_iter = at_iter  # a state taken before the first draw needs it
+        return self._draws(source, at_iter)
+
+    def _draws(self, source: Iterator[Any], at_iter: States) -> Iterator[Any]:
+        """The epoch's index batches; the first ``next()`` notes the position (or replays)."""
+        position, resume = self._position, self._resume
+        if resume is not None and resume.in_epoch:
+            first = self._replay(source, resume)
+            position.at_iter, position.at_draw = resume.at_iter, resume.at_draw
+            position.digest = resume.digest
+            if first is not None:
+                yield first
+        else:
+            if resume is not None:  # between epochs, and this epoch draws no base seed
+                set_states(self.generators[1:], resume.at_draw[1:])
+                caller = self._caller_global if self._building else None
+                if caller is not None:  # undo the base seed DataLoader drew while building
+                    torch.default_generator.set_state(caller)
+                elif resume.at_draw[0] is not None:
+                    self.generators[0].set_state(resume.at_draw[0])
+            at_draw = self._states()
+            try:
+                first = next(source)
+            except StopIteration:
+                position.at_iter, position.at_draw = at_iter, at_draw
+                return
+            position.at_iter, position.at_draw = at_iter, at_draw
+            position.digest = digest(first)
+            yield first
+        # Never `yield from source`: it calls iter(source) again, and a sampler whose __iter__
+        # restarts itself and returns itself (Lightning's predict wrapper) would start over.
+        while True:
+            try:
+                indices = next(source)
+            except StopIteration:
+                return
+            yield indices
+
+    def _replay(self, source: Iterator[Any], resume: Resume) -> Any:
+        """Draw the consumed batches again and check them; the first batch to load, if any.
+
+        A generator whose saved state is ``None`` (the caller's global RNG, in a state taken
+        before the epoch's first draw) is drawn from as it is, and keeps that draw.
+        """
+        caller = self._caller_state() if resume.at_draw[0] is not None else None
+        try:
+            set_states(self.generators, resume.at_draw)
+            skipped = resume.consumed
+            for drawn in range(skipped + 1):
+                try:
+                    indices = next(source)
+                except StopIteration:
+                    if drawn < skipped:
+                        raise ValueError(
+                            f"prefetchx: the state says the loop received {skipped} batches of "
+                            f"this epoch, but the sampler now yields only {drawn}."
+                        ) from None
+                    return None
+                if drawn == 0 and resume.digest is not None and digest(indices) != resume.digest:
+                    raise ValueError(
+                        "prefetchx: replaying the state's consumed batches drew other indices "
+                        "than the run that saved it. The sampler's draws are not reproducible "
+                        "from torch generators (Python's random or numpy?), or the dataset, "
+                        "sampler or seed differ; resuming would train on the wrong samples."
+                    )
+                if drawn == skipped:
+                    return indices
+            return None  # unreachable: the loop returns on its last pass
+        finally:
+            self._restore(caller)
+
+    def _states(self) -> States:
+        return [g.get_state() for g in self.generators]
+
+    def _caller_state(self) -> torch.Tensor | None:
+        """The caller's global RNG state to put back after a replay, if the sampler uses it."""
+        if not self._global:
+            return None
+        if self._building and self._caller_global is not None:
+            return self._caller_global  # as it was before DataLoader drew its base seed
+        return torch.default_generator.get_state()
+
+    def _restore(self, caller: torch.Tensor | None) -> None:
+        if caller is not None:
+            torch.default_generator.set_state(caller)
+
+
+def between_epochs(generators: Sequence[torch.Generator], base_seed_next: bool) -> Resume:
+    """A state for the next epoch: it draws from the generators as they are now.
+
+    The global RNG is the caller's to save and restore with the rest of training.
+    """
+    states: States = [None if g is torch.default_generator else g.get_state() for g in generators]
+    return Resume(False, 0, None, states, list(states), base_seed_next)
+
+
+def before_first_draw(position: Position, generators: Sequence[torch.Generator]) -> Resume:
+    """A state for an epoch whose iterator is made but whose sampler has not drawn yet.
+
+    Its first draw will come from the generators as they are now (the global RNG: as the caller
+    restores it).
+    """
+    now = between_epochs(generators, False).at_draw
+    at_iter = position.at_iter if position.at_iter is not None else list(now)
+    return Resume(True, 0, None, at_iter, now, False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 from typing import Any
 
@@ -45,6 +46,20 @@ class Series:
             self._count += n
             self._recent.extend(chunk)
 
+    def last(self, n: int) -> list[float]:
+        """The most recent ``n`` samples (fewer if there are fewer), folded or not.
+
+        Reading the meter folds the samples, so whatever decides from recent samples reads them
+        here, never from ``pending`` alone.
+        """
+        pending = self.pending[:]
+        if len(pending) >= n:
+            return pending[len(pending) - n :]
+        wanted = n - len(pending)
+        older = list(itertools.islice(reversed(self._recent), wanted))
+        older.reverse()
+        return older + pending
+
     @property
     def total(self) -> float:
         self.fold()
@@ -71,38 +86,36 @@ class Series:
 
 
 class Tally:
-    """Batches a stage has handed to the loop, and whether it has told the loop the epoch ended.
+    """What a stage has handed to the loop: outcomes (batches and errors), and the natural end.
 
     Kept apart from the stage so the loader can still read it after the loop drops the stage's
-    iterator (which stops the thread): it is how far the loop got, whatever ran ahead. A thread
-    stage already counts what it hands over, one wait sample per batch, so its tally reads that
-    ``series`` and its hot path pays nothing more; a stage without one calls `add`.
+    iterator (which stops the thread): it is how far the loop got, whatever ran ahead. The stage
+    that faces the loop records one wait sample per outcome it hands over, so the tally reads
+    that ``series`` and the hot path pays nothing more.
     """
 
-    __slots__ = ("_added", "_series", "ended")
+    __slots__ = ("_series", "ended")
 
-    def __init__(self, series: Series | None = None) -> None:
+    def __init__(self, series: Series) -> None:
         self._series = series
-        self._added = 0
         self.ended = False
-
-    def add(self) -> None:
-        """One more batch handed over."""
-        self._added += 1
 
     @property
     def count(self) -> int:
-        """Batches handed over so far."""
-        return self._series.count if self._series is not None else self._added
+        """Outcomes handed over so far: batches, and errors raised in their place."""
+        return self._series.count
 
 
 class EpochStats:
     """What one epoch of a loader spent its time on, as seen by the loop that consumes it.
 
-    * ``wait``: time the loop waited inside ``next()`` for a batch (the stall).
+    * ``wait``: time the loop waited inside ``next()``, one sample per batch or error handed to
+      it (the stall). The first one is also kept as ``warmup_s``: it includes starting the epoch
+      (worker processes, the first batch) and is left out of the verdict.
     * ``step``: time between getting a batch and asking for the next (the training step).
-    * ``produce``: time the thread spent making each batch; a batch the loop made itself, while
-      the thread was parked, counts in ``wait`` only.
+    * ``produce``: time the thread spent making each batch; a batch the loop made itself (the
+      first of the epoch, or while the thread was parked) counts in ``wait`` only. It is wall
+      time, so it includes the thread's waits for the GIL.
     * ``occupancy``: batches waiting in the queue when the loop asked the thread for one.
 
     Examples:
@@ -118,6 +131,10 @@ class EpochStats:
         self.step = Series()
         self.produce = Series()
         self.occupancy = Series()
+        self.errors = 0
+        """Errors raised to the loop in place of a batch."""
+        self.warmup_s = math.nan
+        """The loop's wait for the epoch's first batch or error; ``nan`` before it."""
 
     def fold(self) -> None:
         """Fold every series' pending samples (see `Series`)."""
@@ -127,25 +144,30 @@ class EpochStats:
     @property
     def batches(self) -> int:
         """Batches handed to the loop."""
-        return self.wait.count
+        return self.wait.count - self.errors
 
     @property
     def inline_batches(self) -> int:
-        """Batches the loop pulled itself while the thread was parked (see `ThreadStage`)."""
-        # The occupancy is sampled once per batch taken from the thread, and only then.
-        return self.wait.count - self.occupancy.count
+        """Batches and errors the loop made itself, not taken from the thread's queue."""
+        # The occupancy is sampled once per outcome taken from the thread, and only then.
+        return max(0, self.wait.count - self.occupancy.count)
 
     @property
     def input_bound_fraction(self) -> float:
-        """Share of the loop's time spent waiting for data."""
-        busy = self.wait.total + self.step.total
-        return self.wait.total / busy if busy > 0 else math.nan
+        """Share of the loop's time spent waiting for data, the warm-up left out."""
+        waited = self.wait.total
+        if self.wait.count:
+            waited -= self.warmup_s
+        busy = waited + self.step.total
+        return max(0.0, waited) / busy if busy > 0 else math.nan
 
     def verdict(self) -> str:
         """One line that says whether data loading holds the loop back."""
         fraction = self.input_bound_fraction
-        if math.isnan(fraction):
+        if self.wait.count == 0:
             return "no batches yet"
+        if math.isnan(fraction):
+            return f"warming up: the first batch took {self.warmup_s * 1e3:.1f} ms"
         if fraction > INPUT_BOUND_FRACTION:
             return (
                 f"input-bound {fraction:.0%} of the time: more workers, a deeper "
@@ -155,7 +177,12 @@ class EpochStats:
 
     def as_dict(self) -> dict[str, Any]:
         """Flat numbers for TensorBoard, W&B or JSON; durations in seconds."""
-        out: dict[str, Any] = {"batches": self.batches, "inline_batches": self.inline_batches}
+        out: dict[str, Any] = {
+            "batches": self.batches,
+            "errors": self.errors,
+            "inline_batches": self.inline_batches,
+            "warmup_s": self.warmup_s,
+        }
         for name in ("wait", "step", "produce"):
             series: Series = getattr(self, name)
             out[f"{name}_total_s"] = series.total
@@ -168,10 +195,12 @@ class EpochStats:
 
     def __str__(self) -> str:
         ms = 1e3
+        errors = f" and {self.errors} errors" if self.errors else ""
         return (
-            f"{self.batches} batches; waited {self.wait.total:.3f} s in all (mean "
-            f"{self.wait.mean * ms:.2f} ms, p50 {self.wait.percentile(50) * ms:.2f} ms, p95 "
-            f"{self.wait.percentile(95) * ms:.2f} ms); step mean {self.step.mean * ms:.2f} ms; "
-            f"produce mean {self.produce.mean * ms:.2f} ms; queue {self.occupancy.mean:.1f} "
-            f"batches on average. {self.verdict()}"
+            f"{self.batches} batches{errors}; first batch after {self.warmup_s * ms:.2f} ms; "
+            f"waited {self.wait.total:.3f} s in all (mean {self.wait.mean * ms:.2f} ms, p50 "
+            f"{self.wait.percentile(50) * ms:.2f} ms, p95 {self.wait.percentile(95) * ms:.2f} "
+            f"ms); step mean {self.step.mean * ms:.2f} ms; produce mean "
+            f"{self.produce.mean * ms:.2f} ms; queue {self.occupancy.mean:.1f} batches on "
+            f"average. {self.verdict()}"
         )

@@ -1,7 +1,9 @@
-"""The thread stage: a background thread keeps up to ``max_prefetch`` batches ready."""
+"""The thread stage: a background thread keeps up to ``max_prefetch`` outcomes ready."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import queue
 import threading
@@ -13,25 +15,29 @@ from typing import Any, Generic, TypeVar
 import torch
 from prefetch_generator import BackgroundGenerator
 
+from prefetchx import _engine
 from prefetchx._checks import check_int
 from prefetchx._device import set_thread_device
 from prefetchx._engine import (
-    JOIN_TIMEOUT,
     POLL_INTERVAL,
+    REAPER,
     Failure,
+    Reaped,
     Signal,
+    discard,
     drain,
     get_from,
     put_until_stopped,
 )
 from prefetchx._stats import FOLD_EVERY, EpochStats, Tally
+from prefetchx._warnings import Warned, capture_in_this_thread, show
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 ADAPT_WINDOW = 16
-"""Batches between two decisions of the inline switch, and the sample each decision uses."""
+"""Outcomes between two decisions of the inline switch, and the sample each decision uses."""
 
 FIRST_WINDOW = 4
 """The first decision of an epoch comes sooner: every threaded batch of a loop with no step
@@ -43,16 +49,59 @@ INLINE_BELOW_S = 50e-6
 THREAD_ABOVE_S = 200e-6
 """A median step longer than this, while inline, is worth a thread again."""
 
+_SPECIAL = (Signal, Failure, Warned)
+"""Queue values that are not plain items."""
+
+_stopping: weakref.WeakSet[_Producer] = weakref.WeakSet()
+"""Producer threads asked to stop that may still be finishing their current call."""
+
+
+_running: weakref.WeakSet[_Producer] = weakref.WeakSet()
+"""Every producer thread started and not yet collected, for the exit handler."""
+_exit_handler_registered = False
+
+
+def _at_exit() -> None:
+    """Interpreter exit: stop every producer and wait for them, `EXIT_WAIT` seconds in all."""
+    producers = [p for p in list(_running) if p.is_alive()]
+    for producer in producers:
+        producer.stop()
+    deadline = time.monotonic() + _engine.EXIT_WAIT
+    try:
+        for producer in producers:
+            producer.join(max(0.0, deadline - time.monotonic()))
+    except KeyboardInterrupt:
+        pass  # Ctrl-C at exit: stop waiting, as it asks
+
+
+def settle(timeout: float) -> bool:
+    """Wait, up to ``timeout`` seconds in all, for stopped producer threads to end.
+
+    A new DataLoader iterator with workers forks processes; a thread that is still running at a
+    fork (here: one an earlier, abandoned iterator asked to stop) may hold a lock the child then
+    finds held forever. Leaving an iterator never waits, so a new one waits here instead.
+
+    Returns:
+        Whether every stopped producer has ended.
+    """
+    deadline = time.monotonic() + timeout
+    for producer in list(_stopping):
+        if producer is not threading.current_thread():
+            producer.join(max(0.0, deadline - time.monotonic()))
+    REAPER.idle(max(0.0, min(2 * POLL_INTERVAL, deadline - time.monotonic())))
+    return not any(p.is_alive() for p in list(_stopping))
+
 
 class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generator is untyped
     """The background thread: `BackgroundGenerator` with its defects fixed.
 
     `BackgroundGenerator` gives the thread, the bounded ``queue`` and the ``generator`` attribute.
-    This subclass replaces its ``run``: puts are timed and re-check a stop event, every
-    `BaseException` travels to the consumer as a `Failure`, the source iterator is released as
-    soon as the thread ends, and the thread can park so that the consumer pulls from the source
-    itself. It never references the consumer's handle, so a dropped handle can be collected
-    while the thread still runs.
+    This subclass replaces its ``run``: each call of the source ends as one value on the queue,
+    an item or a `Failure` (any `BaseException`), in order, and the thread goes on after a
+    failure as the source's caller would; puts are timed and re-check a stop event; the warnings
+    a call raises travel with its value; the source is released as soon as the thread ends; and
+    the thread can park so that the consumer pulls from the source itself. It never references
+    the consumer's handle, so a dropped handle can be collected while the thread still runs.
     """
 
     queue: queue.Queue[Any]
@@ -65,11 +114,17 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
         name: str,
         device: torch.device | None,
         stats: EpochStats,
+        reapable: bool,
     ) -> None:
         self.stop_event = threading.Event()
         self.pause_requested = threading.Event()
         self.resume_event = threading.Event()
-        self.interrupted = False
+        self.calls = 0
+        """Calls of the source started, for the reaper."""
+        self.in_source = False
+        """Whether the thread is inside a call of the source now."""
+        self.reapable = reapable
+        """Whether a call of the source may be abandoned once stopped (see `Reaper`)."""
         self._device = device
         self._stats = stats
         self._thread_name = name
@@ -78,21 +133,28 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
 
     def start(self) -> None:
         # BackgroundGenerator.__init__ calls start() itself; name the thread before it runs.
+        global _exit_handler_registered
         self.name = self._thread_name
+        if not _exit_handler_registered:
+            _exit_handler_registered = True
+            atexit.register(_at_exit)
+        _running.add(self)
         super().start()
 
     def run(self) -> None:
+        # A Reaped may arrive just after the call it was meant for: it ends the thread quietly.
+        with contextlib.suppress(Reaped):
+            self._produce()
+
+    def _produce(self) -> None:
         source: Iterator[Any] | None = self.generator
         self.generator = None  # the thread's frame holds the only reference from here on
         stop, q, produce = self.stop_event, self.queue, self._stats.produce
+        held = capture_in_this_thread()
         try:
-            # Intra-op threads are per thread and a new one gets all cores: the step already
-            # uses them, so torch work here (normalizing, pinning) runs on one, as DataLoader's
-            # own pin-memory thread and its workers do.
-            torch.set_num_threads(1)
             if self._device is not None:
-                # A new thread starts on device 0; CUDA work here (DataLoader pins memory in this
-                # thread when num_workers=0) would otherwise open a context on GPU 0.
+                # A new thread starts on device 0: CUDA work here (DataLoader pins memory in
+                # this thread when num_workers=0) must run on the target device.
                 set_thread_device(self._device)
             while not stop.is_set():
                 if self.pause_requested.is_set():
@@ -100,21 +162,39 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
                         return
                     continue
                 start = time.perf_counter()
+                value: Any
+                self.calls += 1
+                self.in_source = True
                 try:
-                    item = next(source)  # type: ignore[arg-type]  # None only after the loop
+                    value = next(source)  # type: ignore[arg-type]  # None only after the loop
                 except StopIteration:
-                    put_until_stopped(q, Signal.END, stop)
+                    value = Signal.END
+                except BaseException as exc:
+                    if stop.is_set():
+                        discard(exc)
+                        return  # nobody will take it (a Reaped, or a failure after the stop)
+                    value = Failure(exc)
+                else:
+                    produce.add(time.perf_counter() - start)
+                finally:
+                    self.in_source = False
+                if held:
+                    value = Warned(value, held[:])
+                    held.clear()
+                if not put_until_stopped(q, value, stop) or value is Signal.END:
                     return
-                produce.add(time.perf_counter() - start)
-                if not put_until_stopped(q, item, stop):
-                    return
-                del item
-        except BaseException as exc:
-            put_until_stopped(q, Failure(exc), stop)
+                del value
+        except BaseException as exc:  # in this loop itself, not in the source: the stage ends
+            if put_until_stopped(q, Failure(exc), stop):
+                put_until_stopped(q, Signal.END, stop)
         finally:
             # Released here, so DataLoader workers shut down as soon as the producer is done,
             # even while a consumer still holds an exception whose traceback shows this frame.
             source = None
+            if stop.is_set():
+                # A put that raced with the stop would keep its batch, or an exception whose
+                # traceback holds the source, for as long as this thread object lives.
+                drain(q)
 
     def _park(self) -> bool:
         """Hand the source to the consumer and wait until it is handed back or stop is set."""
@@ -132,49 +212,70 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
         self.resume_event.set()
 
     def stop(self) -> None:
-        """Ask the thread to stop and free the batches it queued; returns at once."""
+        """Ask the thread to stop and free the values it queued; returns at once, never waits.
+
+        The thread ends as soon as its current call of the source returns. This runs from a
+        finalizer too (a dropped iterator, interpreter exit), where waiting would hold up an
+        exception or Ctrl-C raised in the caller's loop.
+        """
         self.stop_event.set()
         self.resume_event.set()  # wake a parked thread so it sees the stop
         drain(self.queue)
+        if self.is_alive():
+            _stopping.add(self)
 
-    def join_stopped(self) -> None:
-        """Wait up to `JOIN_TIMEOUT` for a stopped thread to end; warn if it does not."""
+    def abandon(self) -> None:
+        """The consumer is gone (its handle was collected): stop, and reap if it gets stuck."""
+        self.stop()
+        if self.is_alive() and self.reapable and self.in_source:
+            REAPER.watch(self)
+
+    def join_stopped(self) -> bool:
+        """Wait up to `JOIN_TIMEOUT` for a stopped thread to end; whether it has ended."""
         if self is threading.current_thread() or not self.is_alive():
-            return
-        self.join(JOIN_TIMEOUT)
+            return True
+        self.join(_engine.JOIN_TIMEOUT)
         drain(self.queue)  # a put that raced with the stop event
+        if self.is_alive() and self.reapable and self.in_source:
+            REAPER.watch(self, delay=0.0)  # close() has waited long enough
         if self.is_alive():
             logger.warning(
                 "prefetchx: thread %r did not stop within %.0f s; it is still inside the source "
                 "iterator and will end when that call returns.",
                 self.name,
-                JOIN_TIMEOUT,
+                _engine.JOIN_TIMEOUT,
             )
-
-    def shutdown(self) -> None:
-        """Stop the thread and wait for it, unless the consumer was interrupted while waiting."""
-        self.stop()
-        if not self.interrupted:
-            self.join_stopped()
+            return False
+        return True
 
 
 class ThreadStage(Iterator[T], Generic[T]):
     """Run an iterator ahead in a background thread, up to ``max_prefetch`` items.
 
-    The thread is a `prefetch_generator.BackgroundGenerator` whose defects are fixed: it stops
-    when asked, it stops when this iterator is closed, garbage collected or exhausted, it hands
-    every exception (any `BaseException`) to the consumer with its type and traceback, and it
-    releases the source iterator as soon as it ends.
+    Every call of ``source`` ends as one outcome for the consumer, in order: an item, or the
+    exception it raised (any `BaseException`), re-raised with its type and traceback. An
+    exception does not end the stage: the next ``next()`` goes on with what the source gives
+    after it, as calling the source directly would. The stage ends when the source raises
+    `StopIteration`, or when it is closed; after that ``next()`` raises `StopIteration`.
+
+    Nothing happens before the first ``next()``: it makes the first item in the caller's thread
+    (so whatever the source does first, such as a sampler's random draw, happens where and when
+    it would without the stage), then starts the thread for the rest. The thread is a
+    `prefetch_generator.BackgroundGenerator` whose defects are fixed (see `_Producer`). Warnings
+    the source raises in the thread are shown in the caller's thread with the item they came
+    with.
+
+    Leaving the stage never waits: dropping it (garbage collection, an early ``break``) or an
+    interrupt asks the thread to stop and returns at once; the thread ends when its current call
+    of the source returns, and releases the source then. `close` waits for that, bounded. A
+    Ctrl-C while waiting for an item is raised at once and loses nothing: the item comes with the
+    next ``next()``.
 
     A thread only helps when the consumer does work between items: with a step shorter than
     `INLINE_BELOW_S` (median of `ADAPT_WINDOW` items) the hand-off would cost more than it
     hides, so the thread parks and the consumer pulls items itself, in order, until its steps
     grow longer than `THREAD_ABOVE_S`; then the thread takes over again. Only one of the two
     ever calls the source at a time.
-
-    After the source is exhausted, after an exception was raised (from the thread or inline),
-    after an interrupt while waiting, or after `close()`, the iterator is finished: `next()`
-    raises `StopIteration`.
 
     Args:
         source: The iterator to run ahead. Create it on the calling thread.
@@ -184,6 +285,9 @@ class ThreadStage(Iterator[T], Generic[T]):
         device: The accelerator the thread makes current before it starts, or ``None``.
         adaptive: Let the consumer pull items itself while its steps are too short for a
             thread to help.
+        stats: Where to record the stall meter; a new `EpochStats` by default.
+        reapable: Whether a call of ``source`` may be abandoned once the stage is left (see
+            `prefetchx._engine.Reaper`); only for sources nothing else uses.
 
     Examples:
         >>> with ThreadStage(iter(range(3)), max_prefetch=2) as stage:
@@ -199,131 +303,168 @@ class ThreadStage(Iterator[T], Generic[T]):
         name: str = "prefetchx-thread",
         device: torch.device | None = None,
         adaptive: bool = True,
+        stats: EpochStats | None = None,
+        reapable: bool = False,
     ) -> None:
         self.max_prefetch = check_int("max_prefetch", max_prefetch, minimum=0)
-        self.stats = EpochStats()
+        self._reapable = reapable
+        self.stats = stats if stats is not None else EpochStats()
         self.tally = Tally(self.stats.wait)
-        # The consumer's own reference, used while it pulls items inline.
+        # The consumer's own reference: the first item, and items while the thread is parked.
         self._source: Iterator[T] | None = source
+        self._name = name
+        self._device = device
         self._producer: _Producer | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
-        self._inline = max_prefetch == 0
+        self._inline = True  # until the first item is made
+        self._to_start = max_prefetch > 0
         self._adaptive = adaptive and max_prefetch > 0
-        self._checkpoint_every = FIRST_WINDOW if self._adaptive else ADAPT_WINDOW
+        self._countdown = FIRST_WINDOW if self._adaptive else ADAPT_WINDOW
         self._returned_at: float | None = None
         self._add_step = self.stats.step.add
         self._add_wait = self.stats.wait.add
-        self._step_samples = self.stats.step.pending
-        self._wait_samples = self.stats.wait.pending
-        if max_prefetch > 0:
-            self._producer = _Producer(source, max_prefetch, name, device, self.stats)
-            # Runs on close(), on garbage collection of this handle and at interpreter exit; it
-            # holds the producer, never this handle.
-            self._finalizer = weakref.finalize(self, self._producer.shutdown)
+        self._add_occupancy = self.stats.occupancy.add
 
     def __iter__(self) -> ThreadStage[T]:
         return self
 
     def __next__(self) -> T:
-        # The hot path: a loop with no step work pays for every line here (issue 4 targets
-        # >= 0.9x of a plain DataLoader there), so a batch costs two clock reads and two list
-        # appends; the rest happens at a checkpoint every `ADAPT_WINDOW` batches.
+        # The hot path: a loop with no step work pays for every line here, so a batch costs two
+        # clock reads and two list appends; the rest happens at a checkpoint every
+        # `ADAPT_WINDOW` batches.
         asked_at = time.perf_counter()
         if self._returned_at is not None:
             self._add_step(asked_at - self._returned_at)
-        if self._inline:
-            source = self._source
-            if source is None:
-                raise StopIteration
-            try:
-                item = next(source)
-            except StopIteration:
-                self.tally.ended = True
-                self.close()
-                raise
-            except BaseException:
-                self.close()  # an error ends the epoch too, as in the thread
-                raise
-        else:
-            item = self._next_from_thread()
-        self._returned_at = returned_at = time.perf_counter()
+        value = self._make_here() if self._inline else self._from_queue()
+        returned_at = time.perf_counter()
+        if self._returned_at is None:
+            self.stats.warmup_s = returned_at - asked_at
+        self._returned_at = returned_at
         self._add_wait(returned_at - asked_at)
-        if not len(self._wait_samples) % self._checkpoint_every:
+        self._countdown -= 1
+        if not self._countdown:
             self._checkpoint()
-        return item
+        if value.__class__ is Failure:
+            self.stats.errors += 1
+            # The traceback keeps this frame: it must not keep the stage (and its thread) alive.
+            del self
+            value.reraise()
+        return value  # type: ignore[no-any-return]  # an item of the source
+
+    def take(self, block: bool) -> Any:
+        """The next outcome, for a stage in front of this one that measures the loop itself.
+
+        Returns an item, a `prefetchx._engine.Failure` for an exception (not raised), or, when
+        ``block`` is false and nothing is ready yet, `Signal.NOT_READY`. Raises `StopIteration`
+        at the end. An interrupt while waiting is raised and loses nothing.
+        """
+        if self._inline:
+            if block or self._source is None:
+                return self._make_here()
+            return Signal.NOT_READY
+        producer = self._producer
+        assert producer is not None  # threaded only once started
+        if not block and producer.queue.empty():  # one consumer: not empty means get won't wait
+            return Signal.NOT_READY
+        return self._from_queue()
+
+    def _make_here(self) -> Any:
+        """The next outcome, made in the caller's thread: the epoch's first item (the thread
+        starts right after it), or any item while the thread is parked or absent."""
+        source = self._source
+        if source is None:
+            raise StopIteration
+        value: Any
+        try:
+            value = next(source)
+        except StopIteration:
+            self._end()
+            raise
+        except BaseException as exc:
+            value = Failure(exc)
+        if self._to_start:
+            self._start()
+        return value
+
+    def _start(self) -> None:
+        """Start the thread; it takes over the source after the item the caller just made."""
+        self._to_start = False
+        assert self._source is not None  # started only while the epoch runs
+        producer = _Producer(
+            self._source, self.max_prefetch, self._name, self._device, self.stats, self._reapable
+        )
+        self._producer = producer
+        # Runs on close(), on garbage collection of this handle and at interpreter exit; it
+        # holds the producer, never this handle, and it never waits.
+        self._finalizer = weakref.finalize(self, producer.abandon)
+        self._finalizer.atexit = False  # exit has its own, bounded wait (_at_exit)
+        self._inline = False
+
+    def _from_queue(self) -> Any:
+        """The next value from the thread: an item or a `Failure`; `StopIteration` at the end."""
+        producer = self._producer
+        assert producer is not None  # only inline mode runs without a producer
+        waiting = producer.queue.qsize()
+        # An interrupt here (Ctrl-C, DataLoader's dead-worker signal) propagates; the thread
+        # keeps the value it was making, so the next call gets it.
+        value = get_from(producer.queue, producer, producer.stop_event)
+        if value.__class__ in _SPECIAL:
+            if value.__class__ is Warned:
+                show(value.warnings)
+                value = value.item
+            if value is Signal.PAUSED:
+                self._inline = True  # the thread parked: the caller makes the next one itself
+                return self._make_here()
+            if value.__class__ is Signal:  # END, or STOPPED after a close
+                self._end(value is Signal.END)
+                raise StopIteration
+        if value.__class__ is Failure and not producer.is_alive() and producer.queue.empty():
+            self.close()  # the thread died without a last word (see get_from): nothing follows
+        self._add_occupancy(waiting)
+        return value
+
+    def _end(self, natural: bool = True) -> None:
+        """The source is exhausted (``natural``), or the stage was stopped: finish."""
+        if natural:
+            self.tally.ended = True
+        self.close()
 
     def _checkpoint(self) -> None:
         """Decide who produces the next batches; fold the meter's samples when they pile up."""
-        if self._adaptive:
+        self._countdown = ADAPT_WINDOW
+        if self._adaptive and self._source is not None:
             self._decide()
-        if len(self._wait_samples) >= FOLD_EVERY:
+        if len(self.stats.wait.pending) >= FOLD_EVERY:
             self.stats.fold()
-
-    def _next_from_thread(self) -> T:
-        producer = self._producer
-        assert producer is not None  # only inline mode runs without a producer
-        self.stats.occupancy.add(producer.queue.qsize())
-        try:
-            value = get_from(producer.queue, producer, producer.stop_event)
-        except BaseException:
-            # Interrupted while waiting: Ctrl-C, or DataLoader's handler for a dead worker. Stop
-            # the thread without waiting for the batch it is busy with, so that the interrupt
-            # reaches the caller, and the interpreter can exit, at once.
-            producer.interrupted = True
-            producer.stop()
-            raise
-        if value is Signal.PAUSED:
-            self._inline = True
-            return self._next_after_park()
-        if isinstance(value, Signal):
-            if value is Signal.END:  # not when stopped early
-                self.tally.ended = True
-            self.close()
-            raise StopIteration
-        if isinstance(value, Failure):
-            self.close()
-            value.reraise()
-        return value  # type: ignore[return-value]  # anything else is an item of the source
-
-    def _next_after_park(self) -> T:
-        """The first item after the thread parked: the caller pulls it itself."""
-        assert self._source is not None  # the thread parks only while the epoch runs
-        try:
-            return next(self._source)
-        except StopIteration:
-            self.tally.ended = True
-            self.close()
-            raise
-        except BaseException:
-            self.close()
-            raise
 
     def _decide(self) -> None:
         """Who produces the next batches: the majority of the last steps decides.
 
         More than half of the window short is the median below the threshold, without a sort.
         """
-        window = self._step_samples[-self._checkpoint_every :]
-        self._checkpoint_every = ADAPT_WINDOW  # the first decision comes after FIRST_WINDOW
+        window = self.stats.step.last(ADAPT_WINDOW)
         if not window:
             return
         threshold = THREAD_ABOVE_S if self._inline else INLINE_BELOW_S
         mostly_short = 2 * sum(1 for step in window if step < threshold) > len(window)
         producer = self._producer
-        assert producer is not None  # adaptive only with a producer
+        if producer is None:
+            return  # the first item has not been taken from the thread yet
         if not self._inline and mostly_short:
             producer.pause_requested.set()  # the thread answers with Signal.PAUSED, in order
         elif self._inline and not mostly_short:
-            self._go_threaded()
+            self._inline = False
+            producer.resume()
 
-    def _go_threaded(self) -> None:
-        self._inline = False
-        assert self._producer is not None  # adaptive only with a producer
-        self._producer.resume()
+    def abandon(self) -> None:
+        """Nothing else will use the source: a stopped thread may be made to let go of it."""
+        self._reapable = True
+        if self._producer is not None:
+            self._producer.reapable = True
 
     @property
     def thread(self) -> threading.Thread | None:
-        """The background thread, or ``None`` with ``max_prefetch=0``."""
+        """The background thread, or ``None`` before the first item and with ``max_prefetch=0``."""
         return self._producer
 
     @property
@@ -334,15 +475,18 @@ class ThreadStage(Iterator[T], Generic[T]):
     def close(self) -> None:
         """Stop the thread, drop the queued items and release the source. Idempotent.
 
-        Waits up to `prefetchx._engine.JOIN_TIMEOUT` seconds for the thread to finish the item it
-        is producing.
+        Waits up to `prefetchx._engine.JOIN_TIMEOUT` seconds for the thread to finish the call
+        of the source it is in; `producer_alive` says afterwards whether it is still there.
         """
         if self._finalizer is not None:
-            self._finalizer()
-        if self._producer is not None:
-            self._producer.join_stopped()
+            self._finalizer.detach()
+        producer = self._producer
+        if producer is not None:
+            producer.stop()
+            producer.join_stopped()  # and has it reaped if it is stuck in an abandoned source
         self._source = None
         self._inline = True  # nothing left to take from the thread
+        self._to_start = False
 
     def __enter__(self) -> ThreadStage[T]:
         return self

@@ -8,12 +8,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import psutil
 import pytest
 import torch
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+T = TypeVar("T")
 
 
 class Squares(Dataset[torch.Tensor]):
@@ -39,8 +44,23 @@ class Squares(Dataset[torch.Tensor]):
         if self.delay:
             time.sleep(self.delay)
         if i == self.fail_at:
-            raise self.error
+            # A new exception each time, as real code raises them: one instance kept by the
+            # dataset would keep its traceback, and the iterator's frames in it, alive.
+            raise type(self.error)(*self.error.args)
         return torch.tensor([i, i * i])
+
+
+class SlowAfterFirst(Squares):
+    """Item 0 at once, every later item after ``seconds``: the thread waits inside next()."""
+
+    def __init__(self, n: int, seconds: float) -> None:
+        super().__init__(n)
+        self.seconds = seconds
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i > 0:
+            time.sleep(self.seconds)
+        return super().__getitem__(i)
 
 
 class Counting(Dataset[int]):
@@ -91,6 +111,51 @@ class Stream(IterableDataset[int]):
         info = get_worker_info()
         start, step = (0, 1) if info is None else (info.id, info.num_workers)
         return iter(range(start, self.n, step))
+
+
+def outcomes(iterator: Iterator[Any], limit: int = 10**6) -> list[Any]:
+    """Every outcome of ``next()`` until StopIteration (at most ``limit``): batches as plain
+    values, errors as ``"Type: message"``, each with the messages of the warnings shown during
+    that call; warning filters stay the same throughout."""
+    out: list[Any] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(limit):
+            seen = len(caught)
+            try:
+                value: Any = plain(next(iterator))
+            except StopIteration:
+                break
+            except Exception as exc:
+                value = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                # DataLoader's re-raise of a worker's error leaves a reference cycle through its
+                # frames, which keeps the iterator until a gc pass; its workers then take 5 s
+                # each to shut down (their queues are finalized first). Break it, for both.
+                traceback.clear_frames(exc.__traceback__)
+            out.append((value, [str(w.message) for w in caught[seen:]]))
+    return out
+
+
+def plain(value: Any) -> Any:
+    """A batch as plain Python values: tensors as lists, containers rebuilt."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    return value
+
+
+def both(run: Callable[[type[DataLoader[Any]]], T], seed: int = 0) -> tuple[T, T]:
+    """``run(DataLoader)`` and ``run(DataLoaderX)``, each after ``torch.manual_seed(seed)``."""
+    from prefetchx import DataLoaderX
+
+    results = []
+    for cls in (DataLoader, DataLoaderX):
+        torch.manual_seed(seed)
+        results.append(run(cls))
+    return results[0], results[1]
 
 
 def as_lists(batches: object) -> list[object]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -71,8 +72,13 @@ def test_cpu_normalization_runs_in_the_thread(monkeypatch: pytest.MonkeyPatch) -
         return original(self, x)
 
     monkeypatch.setattr(Normalize, "__call__", spy)
-    list(DataLoaderX(Images(), batch_size=3, mean=MEAN, std=STD, input_key="image", device="cpu"))
-    assert threads == ["prefetchx-thread"] * 2
+    loader = DataLoaderX(
+        Images(), batch_size=2, mean=MEAN, std=STD, input_key="image", device="cpu", max_prefetch=4
+    )
+    for _ in loader:
+        time.sleep(0.002)  # a step: the thread stays on
+    # The first batch of an epoch is made in the caller's thread, every later one in the thread.
+    assert threads == [threading.current_thread().name] + ["prefetchx-thread"] * 2
 
 
 def test_without_normalization_batches_equal_dataloader() -> None:
@@ -138,10 +144,10 @@ def test_bad_arguments_raise_at_construction(
 
 def test_pin_memory_defaults_on_for_cuda_and_an_explicit_false_warns_once() -> None:
     dataset = Images()
-    assert _pin_by_default((dataset,), {}) == {"pin_memory": True}
+    assert _pin_by_default(dataset, (), {}) == {"pin_memory": True}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert _pin_by_default((dataset,), {"pin_memory": True}) == {"pin_memory": True}
+        assert _pin_by_default(dataset, (), {"pin_memory": True}) == {"pin_memory": True}
     with pytest.warns(UserWarning, match=r"pin_memory=False.*synchronous") as record:
-        assert _pin_by_default((dataset, 1, False, None, None, 0, None, False), {}) == {}
+        assert _pin_by_default(dataset, (1, False, None, None, 0, None, False), {}) == {}
     assert len(record) == 1

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 from prefetchx import Prefetcher
-from tests.helpers import Squares, as_lists, wait_until
+from tests.helpers import Squares, as_lists, outcomes
 
 
 def _threads() -> list[str]:
@@ -39,19 +40,49 @@ def test_normalizes_on_the_cpu_as_dataloaderx_does() -> None:
         assert torch.equal(y, labels)
 
 
-def test_a_new_iter_and_close_stop_the_previous_thread() -> None:
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_iterators_are_independent_as_the_loaders(num_workers: int) -> None:
+    def run(batches: Any) -> list[Any]:
+        return [(a.tolist(), b.tolist()) for a, b in zip(batches, batches, strict=False)]
+
+    torch.manual_seed(0)
+    expected = run(DataLoader(Squares(12), batch_size=2, shuffle=True, num_workers=num_workers))
+    torch.manual_seed(0)
+    loader = DataLoader(Squares(12), batch_size=2, shuffle=True, num_workers=num_workers)
+    assert run(Prefetcher(loader)) == expected
+
+
+def test_over_persistent_workers_a_new_iter_stops_the_previous_thread_first() -> None:
+    # DataLoader resets the one iterator it keeps: no thread may still be inside it.
+    loader = DataLoader(Squares(40), batch_size=2, num_workers=2, persistent_workers=True)
+    batches = Prefetcher(loader, max_prefetch=2)
+    try:
+        first = iter(batches)
+        next(first)
+        second = iter(batches)
+        assert not first.producer_alive
+        assert len(as_lists(second)) == 20
+    finally:
+        batches.close()
+        loader._iterator = None
+
+
+def test_close_stops_every_iterator_and_the_context_manager_too() -> None:
     batches = Prefetcher(DataLoader(Squares(40), batch_size=2), max_prefetch=2)
-    first = iter(batches)
+    first, second = iter(batches), iter(batches)
     next(first)
-    assert _threads() == ["prefetchx-thread"]
-    second = iter(batches)
     next(second)
-    assert not first.producer_alive
+    assert _threads() == ["prefetchx-thread"] * 2
     batches.close()
-    assert wait_until(lambda: not _threads())
+    assert not _threads()
     with Prefetcher(DataLoader(Squares(40), batch_size=2)) as scoped:
         next(iter(scoped))
-    assert wait_until(lambda: not _threads())
+    assert not _threads()
+
+
+def test_an_error_does_not_end_the_epoch() -> None:
+    batches = Prefetcher(DataLoader(Squares(10, fail_at=5), batch_size=2))
+    assert outcomes(iter(batches)) == outcomes(iter(DataLoader(Squares(10, fail_at=5), 2)))
 
 
 def test_errors_keep_their_type() -> None:

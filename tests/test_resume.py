@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import gc
 import io
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -165,19 +166,33 @@ def test_state_after_an_early_break_and_a_dropped_iterator() -> None:
     assert got + as_lists(resumed) == expected
 
 
-def test_state_after_an_error_resumes_at_the_failed_batch() -> None:
-    loader = DataLoaderX(Squares(20, fail_at=10), batch_size=BATCH)
-    got = []
-    with pytest.raises(ValueError, match="boom at index 10"):
-        for batch in loader:
-            got.append(batch[:, 0].tolist())
-    state = loader.state_dict()
-    assert state["consumed"] == 2
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_state_after_an_error_resumes_after_the_failed_batch(num_workers: int) -> None:
+    # The uninterrupted iterator goes on after a failed batch; so does the resumed one.
+    def take(loader: DataLoaderX[Any], n: int | None = None) -> list[Any]:
+        got: list[Any] = []
+        it = iter(loader)
+        while n is None or len(got) < n:
+            try:
+                got.append(next(it)[:, 0].tolist())
+            except StopIteration:
+                break
+            except ValueError as exc:
+                got.append("failed")
+                traceback.clear_frames(exc.__traceback__)  # see tests.helpers.outcomes
+        return got
 
-    resumed = DataLoaderX(Squares(20), batch_size=BATCH)
+    expected = take(DataLoaderX(Squares(20, fail_at=10), batch_size=BATCH))
+    assert expected[2] == "failed"
+    loader = DataLoaderX(Squares(20, fail_at=10), batch_size=BATCH, num_workers=num_workers)
+    got = take(loader, 3)  # two batches and the error in place of the third
+    state = loader.state_dict()
+    assert state["consumed"] == 3
+    loader.close()
+
+    resumed = DataLoaderX(Squares(20), batch_size=BATCH, num_workers=num_workers)
     resumed.load_state_dict(state)
-    rest = [batch[:, 0].tolist() for batch in resumed]
-    assert got + rest == [list(range(i, i + BATCH)) for i in range(0, 20, BATCH)]
+    assert got + take(resumed) == expected
 
 
 def test_state_after_the_last_batch_and_after_the_epoch() -> None:
@@ -307,11 +322,12 @@ def test_state_whose_replay_draws_other_indices_is_refused(num_workers: int) -> 
         num_workers=num_workers,
     )
     # Same shape of loader, but the saved epoch's shuffle came from a sampler that is not this
-    # one's: the replay notices before any worker starts.
+    # one's: the replay notices at the sampler's first draw (with workers while iter() primes
+    # them, without at the first next()), before any batch is loaded.
     tampered = {**state, "digest": (state["digest"] + 1) % 2**32}
     other.load_state_dict(tampered)
     with pytest.raises(ValueError, match="drew other indices"):
-        iter(other)
+        next(iter(other))
 
 
 @pytest.mark.parametrize(
@@ -321,9 +337,10 @@ def test_state_whose_replay_draws_other_indices_is_refused(num_workers: int) -> 
         ([1, 2], TypeError, "got 'list'"),
         ({"format": "prefetchx.DataLoaderX", "version": 99}, ValueError, "version 99"),
         (
-            {"format": "prefetchx.DataLoaderX", "version": 1, "consumed": 2},
+            {"format": "prefetchx.DataLoaderX", "version": 2, "consumed": 2},
             ValueError,
-            "lacks digest, epoch_in_progress, loader, rng_states",
+            "lacks loader, epoch_in_progress, digest, rng_states, rng_states_at_iter, "
+            "base_seed_next",
         ),
     ],
 )
@@ -332,13 +349,73 @@ def test_malformed_state_is_refused(state: Any, error: type[Exception], message:
         DataLoaderX(range(N)).load_state_dict(state)
 
 
-def test_iterable_dataset_cannot_be_resumed_and_says_why() -> None:
-    loader = DataLoaderX(Stream(10), batch_size=2)
+def _good_state() -> dict[str, Any]:
+    _, state, _ = _interrupted(_maker(seeded=True), 2)
+    return state
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("consumed", "2", r"consumed='2'; it must be an int >= 0"),
+        ("consumed", -1, r"consumed=-1; it must be an int >= 0"),
+        ("consumed", True, r"consumed=True; it must be an int >= 0"),
+        ("epoch_in_progress", "yes", r"`state\['epoch_in_progress'\]` must be a bool, got 'yes'"),
+        ("base_seed_next", 1, r"`state\['base_seed_next'\]` must be a bool, got 1"),
+        ("digest", -5, r"`state\['digest'\]` must be None or a 32-bit checksum .* got -5"),
+        ("digest", "abc", r"`state\['digest'\]` must be None or a 32-bit checksum .* got 'abc'"),
+        ("loader", "mine", r"`state\['loader'\]` must be a dict, got 'mine'"),
+        ("rng_states", "x", r"`state\['rng_states'\]` must be a list of generator states"),
+        ("rng_states", [None, None], r"holds 2 random generator states; this loader's sampler"),
+        (
+            "rng_states",
+            [torch.zeros(3)],
+            r"`state\['rng_states'\]\[0\]` must be a uint8 generator state from get_state\(\), "
+            r"got a torch.float32 tensor of shape \(3,\)",
+        ),
+        (
+            "rng_states_at_iter",
+            [torch.zeros(7, dtype=torch.uint8)],
+            r"`state\['rng_states_at_iter'\]\[0\]` is not a state of a cpu random generator",
+        ),
+        ("rng_states", ["abc"], r"`state\['rng_states'\]\[0\]` must be a uint8 .* got 'abc'"),
+    ],
+)
+def test_every_malformed_field_is_refused_at_load_naming_it(
+    field: str, value: Any, message: str
+) -> None:
+    state = {**_good_state(), field: value}
+    loader = _maker(seeded=True)()
+    with pytest.raises(ValueError, match=message):
+        loader.load_state_dict(state)
+
+
+def test_an_iterable_dataset_checkpoints_and_restores_between_epochs() -> None:
+    def make() -> DataLoaderX[Any]:
+        return DataLoaderX(Stream(10), batch_size=2)
+
+    loader = make()
     assert as_lists(loader) == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
-    with pytest.raises(TypeError, match="IterableDataset has no sampler"):
-        loader.state_dict()
-    with pytest.raises(TypeError, match="IterableDataset"):
-        loader.load_state_dict({})
+    state = _through_disk(loader.state_dict())
+    assert (state["epoch_in_progress"], state["consumed"]) == (False, 0)
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert as_lists(resumed) == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+
+    it = iter(loader)
+    next(it)
+    next(it)
+    inside = _through_disk(loader.state_dict())
+    assert (inside["epoch_in_progress"], inside["consumed"]) == (True, 2)
+    it.close()
+    restarted = make()
+    with pytest.warns(UserWarning, match="2 batches into an epoch of an IterableDataset"):
+        restarted.load_state_dict(inside)
+    assert as_lists(restarted) == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    with pytest.raises(ValueError, match="`state` lacks epoch_in_progress"):
+        make().load_state_dict({k: v for k, v in inside.items() if k != "epoch_in_progress"})
+    with pytest.raises(ValueError, match="comes from a different loader: batch_size 2 there"):
+        DataLoaderX(Stream(10), batch_size=3).load_state_dict(inside)
 
 
 def test_len_and_sampler_attributes_are_unchanged() -> None:
@@ -364,7 +441,126 @@ def test_a_state_without_a_check_still_resumes_past_a_deep_lookahead() -> None:
     assert sorted(i for batch in got + rest for i in batch) == list(range(200))
 
 
-def test_negative_consumed_is_refused() -> None:
-    _, state, _ = _interrupted(_maker(seeded=True), 2)
-    with pytest.raises(ValueError, match="consumed=-1; it must be an int >= 0"):
-        _maker(seeded=True)().load_state_dict({**state, "consumed": -1})
+# --- what DataLoader draws, and when ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seeded", [True, False], ids=["generator", "global-rng"])
+def test_a_state_taken_at_an_epochs_end_with_persistent_workers_resumes_later_epochs(
+    seeded: bool,
+) -> None:
+    # With persistent workers DataLoader draws no base seed after the first epoch; a resumed
+    # loader's first iter() makes a new iterator, which does: the state says so.
+    make = _maker(seeded, num_workers=2, persistent_workers=True)
+    torch.manual_seed(0)
+    loader = make()
+    epochs = [as_lists(loader)]
+    state = _through_disk(loader.state_dict())
+    rng = torch.get_rng_state()
+    assert not state["epoch_in_progress"]
+    assert not state["base_seed_next"]
+    epochs += [as_lists(loader) for _ in range(2)]
+    loader.close()
+
+    torch.manual_seed(99)
+    resumed = make()
+    resumed.load_state_dict(state)
+    torch.set_rng_state(rng)
+    try:
+        assert [as_lists(resumed) for _ in range(2)] == epochs[1:]
+    finally:
+        resumed.close()
+
+
+class EagerShuffle(torch.utils.data.Sampler[int]):
+    """Shuffles in ``__iter__`` itself, from the global RNG, as many custom samplers do."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(torch.randperm(self.n).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("sampler", ["eager", "lazy"])
+def test_resume_is_exact_whether_the_sampler_draws_in_iter_or_at_its_first_next(
+    num_workers: int, sampler: str
+) -> None:
+    def make() -> DataLoaderX[Any]:
+        if sampler == "eager":
+            return DataLoaderX(
+                range(N), batch_size=BATCH, sampler=EagerShuffle(N), num_workers=num_workers
+            )
+        return DataLoaderX(range(N), batch_size=BATCH, shuffle=True, num_workers=num_workers)
+
+    torch.manual_seed(0)
+    loader = make()
+    it = iter(loader)
+    torch.rand(1)  # the caller draws between iter() and the first next()
+    expected = as_lists(it)
+
+    torch.manual_seed(0)
+    loader = make()
+    it = iter(loader)
+    torch.rand(1)
+    got = [next(it).tolist() for _ in range(3)]
+    state = _through_disk(loader.state_dict())
+    it.close()
+    torch.manual_seed(42)
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert got + as_lists(resumed) == expected
+
+
+def test_a_state_taken_before_the_first_next_resumes_the_whole_epoch() -> None:
+    # num_workers=0: iter() has drawn DataLoader's base seed, the sampler has not drawn yet.
+    make = _maker(seeded=False)
+    torch.manual_seed(0)
+    loader = make()
+    it = iter(loader)
+    state = _through_disk(loader.state_dict())
+    rng = torch.get_rng_state()
+    expected = as_lists(it)
+    after = torch.rand(2).tolist()
+
+    torch.manual_seed(7)
+    resumed = make()
+    resumed.load_state_dict(state)
+    torch.set_rng_state(rng)
+    assert as_lists(resumed) == expected
+    assert torch.rand(2).tolist() == after
+
+
+def test_load_into_a_loader_with_running_persistent_workers() -> None:
+    make = _maker(seeded=True, num_workers=2, persistent_workers=True)
+    expected = _uninterrupted(make)
+    got, state, _ = _interrupted(make, 3)
+    loader = make()
+    try:
+        as_lists(loader)  # its persistent iterator exists: the next iter() is a reset
+        loader.load_state_dict(state)
+        assert got + as_lists(loader) == expected[1]
+        assert as_lists(loader) == expected[2]
+    finally:
+        loader.close()
+
+
+def test_state_describes_the_iterator_started_last() -> None:
+    make = _maker(seeded=True)
+    loader = make()
+    first = iter(loader)
+    next(first)
+    second = iter(loader)  # an independent epoch, as with DataLoader
+    got = [next(second).tolist() for _ in range(2)]
+    next(first)
+    state = loader.state_dict()
+    assert state["consumed"] == 2
+    rest_of_second = as_lists(second)
+    first.close()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert as_lists(resumed) == rest_of_second
+    assert sorted(i for batch in got + rest_of_second for i in batch) == list(range(N))

@@ -1,18 +1,20 @@
-"""The thread stage on its own: ordering, end of stream, failures, lifecycle, memory bound."""
+"""The thread stage on its own: the same outcomes as calling the source, lifecycle, memory."""
 
 from __future__ import annotations
 
+import _thread
 import gc
 import queue
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
-import torch
 
-from prefetchx import EpochStats, ThreadStage
+from prefetchx import EpochStats, ThreadStage, _engine
 from prefetchx._engine import Failure, get_from
 from tests.helpers import wait_until
 
@@ -27,6 +29,84 @@ def _gen(n: int, *, fail: BaseException | None = None) -> Iterator[object]:
         raise fail
 
 
+class Flaky:
+    """An iterator of ``range(n)`` whose calls at ``fail_at`` raise instead and go on after, as a
+    DataLoader iterator does when one batch fails; it can warn at ``warn_at``."""
+
+    def __init__(
+        self,
+        n: int,
+        fail_at: dict[int, BaseException] | None = None,
+        warn_at: set[int] | None = None,
+    ) -> None:
+        self.n = n
+        self.fail_at = fail_at or {}
+        self.warn_at = warn_at or set()
+        self.i = 0
+        self.threads: list[str] = []
+
+    def __iter__(self) -> Flaky:
+        return self
+
+    def __next__(self) -> int:
+        i = self.i
+        if i >= self.n:
+            raise StopIteration
+        self.i += 1
+        self.threads.append(threading.current_thread().name)
+        if i in self.warn_at:
+            warnings.warn(f"item {i} is odd", UserWarning, stacklevel=1)
+        if i in self.fail_at:
+            raise self.fail_at[i]
+        return i
+
+
+def outcomes(iterator: Iterator[Any]) -> list[Any]:
+    """Every outcome of ``next()`` until StopIteration: items, and ``(type, args)`` of errors,
+    each with the warnings shown during that very call (filters stay the same throughout)."""
+    out: list[Any] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        while True:
+            seen = len(caught)
+            try:
+                value: Any = next(iterator)
+            except StopIteration:
+                break
+            except BaseException as exc:
+                value = (type(exc).__name__, exc.args)
+            out.append((value, [str(w.message) for w in caught[seen:]]))
+    return out
+
+
+# --- the same outcomes as the source itself ------------------------------------------------------
+
+
+def _flaky() -> Flaky:
+    return Flaky(
+        40,
+        fail_at={3: ValueError("three"), 4: KeyError("four"), 17: Abort("x"), 30: SystemExit(3)},
+        warn_at={0, 5, 17, 39},
+    )
+
+
+@pytest.mark.parametrize("max_prefetch", [0, 1, 3])
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_same_outcomes_as_calling_the_source(max_prefetch: int, adaptive: bool) -> None:
+    expected = outcomes(_flaky())
+    assert len(expected) == 40
+    with ThreadStage(_flaky(), max_prefetch, adaptive=adaptive) as stage:
+        assert outcomes(stage) == expected
+        with pytest.raises(StopIteration):  # and it stays ended
+            next(stage)
+
+
+def test_keyboard_interrupt_from_the_source_is_an_outcome_too() -> None:
+    source = Flaky(6, fail_at={2: KeyboardInterrupt()})
+    expected = outcomes(Flaky(6, fail_at={2: KeyboardInterrupt()}))
+    assert outcomes(ThreadStage(source, max_prefetch=2)) == expected
+
+
 def test_yields_every_item_in_order_including_none() -> None:
     items = [None, 0, None, "x", None]
     with ThreadStage(iter(items), max_prefetch=2) as stage:
@@ -39,6 +119,7 @@ def test_empty_source_ends_at_once() -> None:
         next(stage)
     with pytest.raises(StopIteration):
         next(stage)
+    assert stage.thread is None
 
 
 @pytest.mark.parametrize("max_prefetch", [0, 1, 2, 8])
@@ -46,34 +127,8 @@ def test_same_items_for_any_depth(max_prefetch: int) -> None:
     assert list(ThreadStage(_gen(50), max_prefetch)) == list(range(50))
 
 
-def test_thread_is_named_daemon_and_ends_with_the_source() -> None:
-    stage = ThreadStage(_gen(3), max_prefetch=1)
-    threads = [t for t in threading.enumerate() if t.name == "prefetchx-thread"]
-    assert len(threads) == 1
-    assert threads[0].daemon
-    assert list(stage) == [0, 1, 2]
-    assert not stage.producer_alive
-
-
-def test_max_prefetch_zero_runs_no_thread() -> None:
-    seen: list[str] = []
-
-    def source() -> Iterator[int]:
-        for i in range(3):
-            seen.append(threading.current_thread().name)
-            yield i
-
-    stage = ThreadStage(source(), max_prefetch=0)
-    assert list(stage) == [0, 1, 2]
-    assert seen == [threading.current_thread().name] * 3
-    assert not stage.producer_alive
-
-
-@pytest.mark.parametrize(
-    "error",
-    [ValueError("bad item"), KeyError("k"), Abort("stop now"), KeyboardInterrupt(), SystemExit(3)],
-)
-def test_producer_failure_reaches_consumer_with_type_and_traceback(error: BaseException) -> None:
+@pytest.mark.parametrize("error", [ValueError("bad item"), Abort("stop now"), SystemExit(3)])
+def test_failure_keeps_its_type_object_and_traceback(error: BaseException) -> None:
     stage = ThreadStage(_gen(2, fail=error), max_prefetch=2)
     assert next(stage) == 0
     assert next(stage) == 1
@@ -82,9 +137,42 @@ def test_producer_failure_reaches_consumer_with_type_and_traceback(error: BaseEx
     assert info.value is error
     frames = [frame.name for frame in traceback.extract_tb(info.value.__traceback__)]
     assert "_gen" in frames, frames  # the producer's frame where it was raised
-    assert not stage.producer_alive
-    with pytest.raises(StopIteration):  # the epoch is over after an error
+    # A generator that raised is finished: its next call ends, and so does the stage.
+    with pytest.raises(StopIteration):
         next(stage)
+    assert wait_until(lambda: not stage.producer_alive)
+
+
+# --- when things run -----------------------------------------------------------------------------
+
+
+def test_nothing_runs_before_the_first_next_which_the_caller_makes() -> None:
+    source = Flaky(5)
+    stage = ThreadStage(source, max_prefetch=2)
+    time.sleep(0.05)
+    assert source.i == 0
+    assert stage.thread is None
+    assert not [t for t in threading.enumerate() if t.name.startswith("prefetchx-")]
+    assert next(stage) == 0
+    assert source.threads[0] == threading.current_thread().name
+    thread = stage.thread
+    assert thread is not None
+    assert thread.name == "prefetchx-thread"
+    assert thread.daemon
+    assert list(stage) == [1, 2, 3, 4]
+    assert set(source.threads[1:]) == {"prefetchx-thread"}
+    assert wait_until(lambda: not stage.producer_alive)
+
+
+def test_max_prefetch_zero_runs_no_thread() -> None:
+    source = Flaky(3)
+    stage = ThreadStage(source, max_prefetch=0)
+    assert list(stage) == [0, 1, 2]
+    assert source.threads == [threading.current_thread().name] * 3
+    assert stage.thread is None
+
+
+# --- leaving -------------------------------------------------------------------------------------
 
 
 def test_close_is_idempotent_and_ends_iteration() -> None:
@@ -118,6 +206,77 @@ def test_dropped_handle_stops_the_thread_and_releases_the_source() -> None:
     gc.collect()
     assert wait_until(lambda: not any(t.name == "prefetchx-thread" for t in threading.enumerate()))
     assert released.wait(10), "the source generator was not closed when the thread ended"
+
+
+class Gate:
+    """A source whose item ``block_at`` waits for ``gate`` (set by the test) before returning."""
+
+    def __init__(self, n: int, block_at: int) -> None:
+        self.items = iter(range(n))
+        self.block_at = block_at
+        self.gate = threading.Event()
+        self.reached = threading.Event()
+
+    def __iter__(self) -> Gate:
+        return self
+
+    def __next__(self) -> int:
+        item = next(self.items)
+        if item == self.block_at:
+            self.reached.set()
+            self.gate.wait(30)
+        return item
+
+
+def test_dropping_never_waits_for_the_item_the_thread_is_making() -> None:
+    source = Gate(10, block_at=1)
+    stage = ThreadStage(source, max_prefetch=2)
+    assert next(stage) == 0
+    assert source.reached.wait(10)
+    thread = stage.thread
+    start = time.monotonic()
+    del stage  # the last reference: the finalizer runs here
+    assert time.monotonic() - start < 5.0  # far below the 30 s the thread is inside for
+    assert thread is not None
+    assert thread.is_alive()
+    source.gate.set()
+    assert wait_until(lambda: not thread.is_alive())
+
+
+def test_close_waits_bounded_and_says_whether_the_thread_is_still_inside(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_engine, "JOIN_TIMEOUT", 0.2)
+    source = Gate(10, block_at=1)
+    stage = ThreadStage(source, max_prefetch=2)
+    assert next(stage) == 0
+    assert source.reached.wait(10)
+    start = time.monotonic()
+    stage.close()
+    assert 0.15 < time.monotonic() - start < 5
+    assert stage.producer_alive
+    source.gate.set()
+    assert wait_until(lambda: not stage.producer_alive)
+    with pytest.raises(StopIteration):
+        next(stage)
+
+
+def test_ctrl_c_while_waiting_is_raised_and_loses_nothing() -> None:
+    source = Gate(6, block_at=1)
+    stage = ThreadStage(source, max_prefetch=2)
+    assert next(stage) == 0
+    assert source.reached.wait(10)
+    # Ctrl-C reaches the main thread while it waits for item 1.
+    timer = threading.Timer(0.2, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            next(stage)
+    finally:
+        timer.join()
+    assert stage.producer_alive  # not stopped: the loop may catch Ctrl-C and go on
+    source.gate.set()
+    assert list(stage) == [1, 2, 3, 4, 5]
 
 
 def test_queue_holds_at_most_max_prefetch_items() -> None:
@@ -161,27 +320,80 @@ def test_get_from_reports_a_producer_that_died_silently() -> None:
     assert "prefetchx-test-dead" in str(value.exc)
 
 
+# --- warnings ------------------------------------------------------------------------------------
+
+
+def test_warnings_from_the_thread_come_with_their_item_in_the_callers_thread() -> None:
+    source = Flaky(8, warn_at={3, 6})
+    stage = ThreadStage(source, max_prefetch=8)
+    assert next(stage) == 0
+    assert wait_until(lambda: source.i == 8)  # the thread has made (and warned for) them all
+    got = outcomes(stage)
+    assert got == [(i, [f"item {i} is odd"] if i in (3, 6) else []) for i in range(1, 8)]
+    assert set(source.threads[1:]) == {"prefetchx-thread"}
+
+
+def _errors_and_items(stage: Iterator[Any]) -> list[Any]:
+    out: list[Any] = []
+    while True:
+        try:
+            out.append(next(stage))
+        except StopIteration:
+            return out
+        except UserWarning as warning:
+            out.append(str(warning))
+
+
+def test_a_warning_turned_error_where_it_is_raised_is_that_items_error() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _errors_and_items(ThreadStage(Flaky(4, warn_at={2}), max_prefetch=2))
+    assert got == [0, 1, "item 2 is odd", 3]
+
+
+def test_the_callers_filters_when_it_receives_the_item_decide_too() -> None:
+    source = Flaky(6, warn_at={2, 4})
+    stage = ThreadStage(source, max_prefetch=8)
+    assert next(stage) == 0
+    assert wait_until(lambda: source.i == 6)  # both warnings raised in the thread already
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("ignore")
+        assert next(stage) == 1
+        assert next(stage) == 2  # ignored now, as DataLoader's next() would have ignored it
+        warnings.simplefilter("error")
+        assert next(stage) == 3
+        with pytest.raises(UserWarning, match="item 4 is odd"):
+            next(stage)  # raised from this next(), as DataLoader would raise it here
+        assert next(stage) == 5
+    assert caught == []
+
+
 # --- the inline switch ---------------------------------------------------------------------------
 
 
-def _recording(n: int, threads: list[str]) -> Iterator[int]:
-    for i in range(n):
-        threads.append(threading.current_thread().name)
-        yield i
-
-
 def test_no_step_work_moves_production_inline_without_losing_an_item() -> None:
-    threads: list[str] = []
-    stage = ThreadStage(_recording(300, threads), max_prefetch=4)
+    source = Flaky(300)
+    stage = ThreadStage(source, max_prefetch=4)
     assert list(stage) == list(range(300))
-    assert threads[0] == "prefetchx-thread"
-    assert threads[-1] == threading.current_thread().name
+    me = threading.current_thread().name
+    assert source.threads[0] == me  # the first item is always the caller's
+    assert "prefetchx-thread" in source.threads[1:10]
+    assert source.threads[-1] == me
+    assert stage.stats.inline_batches > 200
+
+
+def test_reading_the_meter_every_step_does_not_stop_the_switch() -> None:
+    source = Flaky(300)
+    stage = ThreadStage(source, max_prefetch=4)
+    for _ in stage:
+        _ = stage.stats.wait.total  # folds the samples, as a logging hook would
+    assert source.threads[-1] == threading.current_thread().name
     assert stage.stats.inline_batches > 200
 
 
 def test_steps_long_enough_bring_the_thread_back() -> None:
-    threads: list[str] = []
-    stage = ThreadStage(_recording(200, threads), max_prefetch=2)
+    source = Flaky(200)
+    stage = ThreadStage(source, max_prefetch=2)
     got = []
     for i, item in enumerate(stage):
         got.append(item)
@@ -189,20 +401,8 @@ def test_steps_long_enough_bring_the_thread_back() -> None:
             time.sleep(0.001)  # a real step: the thread can hide the producer's work again
     assert got == list(range(200))
     me = threading.current_thread().name
-    assert me in threads[20:60]
-    assert threads[-1] == "prefetchx-thread"
-
-
-def test_error_while_inline_keeps_type_and_ends_the_epoch() -> None:
-    stage = ThreadStage(_gen(100, fail=KeyError("late")), max_prefetch=2)
-    got = []
-    with pytest.raises(KeyError, match="late"):
-        for item in stage:
-            got.append(item)
-    assert got == list(range(100))
-    assert stage.stats.inline_batches > 0
-    with pytest.raises(StopIteration):
-        next(stage)
+    assert me in source.threads[20:60]
+    assert source.threads[-1] == "prefetchx-thread"
 
 
 def test_close_while_inline_stops_the_parked_thread() -> None:
@@ -216,9 +416,9 @@ def test_close_while_inline_stops_the_parked_thread() -> None:
 
 
 def test_adaptive_off_keeps_the_thread() -> None:
-    threads: list[str] = []
-    assert list(ThreadStage(_recording(100, threads), 2, adaptive=False)) == list(range(100))
-    assert set(threads) == {"prefetchx-thread"}
+    source = Flaky(100)
+    assert list(ThreadStage(source, 2, adaptive=False)) == list(range(100))
+    assert set(source.threads[1:]) == {"prefetchx-thread"}
 
 
 # --- the stall meter -----------------------------------------------------------------------------
@@ -232,13 +432,14 @@ def _slow(n: int, seconds: float) -> Iterator[int]:
 
 def test_stats_of_a_compute_bound_loop() -> None:
     stage = ThreadStage(_gen(10), max_prefetch=2)
+    next(stage)
     # Let the thread fill the queue, so the loop should hardly wait at all.
     assert wait_until(lambda: stage._producer is not None and stage._producer.queue.full())
     for _ in stage:
         time.sleep(0.03)
     stats = stage.stats
     assert stats.batches == 10
-    assert stats.step.mean >= 0.029
+    assert stats.step.percentile(50) >= 0.029
     # Loose: a VM can stall one get for tens of milliseconds; the verdict's own threshold is
     # tested on fixed numbers below.
     assert stats.input_bound_fraction < 0.3, str(stats)
@@ -250,19 +451,28 @@ def test_stats_of_a_compute_bound_loop() -> None:
 
 def test_verdict_and_percentiles_on_fixed_numbers() -> None:
     stats = EpochStats()
+    stats.warmup_s = 0.5
+    stats.wait.add(0.5)  # the first batch: worker start-up, left out of the verdict
     for wait in [0.001] * 19 + [0.020]:
         stats.wait.add(wait)
         stats.step.add(0.1)
-    assert stats.batches == 20
+    assert stats.batches == 21
     assert stats.wait.percentile(50) == 0.001
-    assert stats.wait.percentile(95) == 0.001
-    assert stats.wait.percentile(100) == 0.020
-    assert stats.wait.total == pytest.approx(0.039)
+    assert stats.wait.percentile(100) == 0.5
+    assert stats.wait.total == pytest.approx(0.539)
     assert stats.input_bound_fraction == pytest.approx(0.039 / 2.039)
     assert stats.verdict() == "compute-bound: data loading is hidden (1.9% of the time waiting)"
     stats.wait.add(1.0)
     assert stats.verdict().startswith("input-bound 34% of the time")  # 1.039 of 3.039 s
     assert EpochStats().verdict() == "no batches yet"
+
+
+def test_one_batch_in_the_verdict_is_warming_up_not_input_bound() -> None:
+    stage = ThreadStage(_slow(5, 0.02), max_prefetch=2)
+    next(stage)
+    assert stage.stats.warmup_s >= 0.015
+    assert stage.stats.verdict().startswith("warming up: the first batch took")
+    stage.close()
 
 
 def test_stats_of_an_input_bound_loop() -> None:
@@ -277,36 +487,32 @@ def test_stats_of_an_input_bound_loop() -> None:
     assert stats.input_bound_fraction > 0.5
 
 
-def test_thread_runs_torch_single_threaded_like_dataloaders_pin_thread() -> None:
-    seen: list[int] = []
-
-    def source() -> Iterator[int]:
-        seen.append(torch.get_num_threads())
-        yield 1
-
-    assert list(ThreadStage(source(), max_prefetch=1, adaptive=False)) == [1]
-    assert seen == [1]
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_counts_are_never_negative_after_an_epoch_that_ends_threaded(adaptive: bool) -> None:
+    stage = ThreadStage(_slow(5, 0.002), max_prefetch=2, adaptive=adaptive)
+    assert list(stage) == [0, 1, 2, 3, 4]
+    stats = stage.stats
+    assert stats.batches == 5
+    assert stats.inline_batches == 1  # the first, made by the caller
+    assert stats.as_dict()["inline_batches"] == 1
 
 
 @pytest.mark.parametrize("max_prefetch", [0, 3])
-def test_tally_counts_items_handed_over_and_the_natural_end(max_prefetch: int) -> None:
-    stage = ThreadStage(iter(range(10)), max_prefetch=max_prefetch)
+def test_tally_counts_outcomes_handed_over_and_the_natural_end(max_prefetch: int) -> None:
+    stage = ThreadStage(Flaky(10, fail_at={5: ValueError("five")}), max_prefetch=max_prefetch)
     for _ in range(4):
         next(stage)
     assert (stage.tally.count, stage.tally.ended) == (4, False)
-    assert list(stage) == list(range(4, 10))
+    got = outcomes(stage)
+    assert [value for value, _ in got] == [4, ("ValueError", ("five",)), 6, 7, 8, 9]
     assert (stage.tally.count, stage.tally.ended) == (10, True)
+    assert (stage.stats.batches, stage.stats.errors) == (9, 1)
 
 
 @pytest.mark.parametrize("max_prefetch", [0, 3])
-def test_tally_is_not_ended_by_close_or_an_error(max_prefetch: int) -> None:
+def test_tally_is_not_ended_by_close(max_prefetch: int) -> None:
     stage = ThreadStage(iter(range(10)), max_prefetch=max_prefetch)
     next(stage)
     stage.close()
     assert list(stage) == []
     assert (stage.tally.count, stage.tally.ended) == (1, False)
-
-    failing = ThreadStage(_gen(3, fail=ValueError("late")), max_prefetch=max_prefetch)
-    with pytest.raises(ValueError, match="late"):
-        list(failing)
-    assert (failing.tally.count, failing.tally.ended) == (3, False)

@@ -1,0 +1,191 @@
+"""`PrefetchIterator`: one iterator of a DataLoaderX or a Prefetcher, and its whole lifecycle.
+
+A DataLoader hands out independent iterators: each ``iter()`` makes a new one (`zip(dl, dl)`,
+nested loops and a validation pass over the training loader each get their own epoch), except
+with persistent workers, where DataLoader keeps one iterator and calls its ``_reset`` at each
+``iter()``. DataLoaderX keeps exactly that: DataLoader's ``__iter__`` decides, and each iterator it
+makes is one of these, wrapping the DataLoader iterator made on the calling thread with stages of
+its own.
+
+Lifecycle of one iterator:
+
+* made: nothing runs yet; the DataLoader iterator exists (workers started, their index queues
+  primed, as DataLoader does at ``iter()``).
+* first ``next()``: the first batch is made in the caller's thread, then the stages' thread
+  starts (see `ThreadStage`).
+* running: each ``next()`` hands over the next outcome, a batch or the exception raised in its
+  place; an exception does not end the epoch.
+* ended: the DataLoader iterator raised `StopIteration`; so does every later ``next()``.
+* closed (`close`, a ``with`` block): the thread is stopped and waited for, bounded, and the
+  DataLoader iterator released unless the loader keeps it (persistent workers).
+* dropped (garbage collection, an early ``break``): the thread is asked to stop; nothing waits.
+* reset (persistent workers only, DataLoader calls ``_reset``): the old epoch's thread is stopped
+  and waited for, bounded, before the DataLoader iterator is reset on the calling thread; a
+  thread still inside it after the wait makes the reset fail with `RuntimeError` rather than
+  reset an iterator another thread is using. Then a new epoch starts as above.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+from prefetchx import _engine
+from prefetchx._pipeline import Pipeline, Stage
+from prefetchx._resume import Position
+from prefetchx._stats import EpochStats, Tally
+
+T = TypeVar("T")
+
+
+class Epoch:
+    """What the loader reports of one epoch, also after its iterator is gone."""
+
+    __slots__ = ("position", "stats", "tally")
+
+    def __init__(self, position: Position | None = None) -> None:
+        self.stats = EpochStats()
+        self.tally = Tally(self.stats.wait)
+        self.position = position
+        """Where the sampler is, for `DataLoaderX.state_dict`; ``None`` without a sampler."""
+
+
+class PrefetchIterator(Iterator[T], Generic[T]):
+    """The iterator `iter()` returns for a `DataLoaderX` or a `Prefetcher`.
+
+    It behaves as the DataLoader iterator it wraps (``next()``, ``len()``, not picklable), with
+    the prefetch stages behind ``next()``. ``close()`` and ``with`` stop its thread; see the
+    module docstring for its whole lifecycle.
+    """
+
+    def __init__(
+        self,
+        source: Iterator[T],
+        pipeline: Pipeline,
+        epoch: Epoch,
+        *,
+        keep_source: bool = False,
+        recorder: Any = None,
+    ) -> None:
+        self._source: Iterator[T] | None = source
+        self._pipeline = pipeline
+        self._keep_source = keep_source
+        self._recorder = recorder  # the DataLoader iterator's index sampler, for _reset
+        self._length: int | None = None
+        self._start(epoch)
+
+    def _start(self, epoch: Epoch) -> None:
+        assert self._source is not None  # started only with a source
+        self.epoch = epoch
+        # DataLoader's multiprocessing iterator, used by nobody else, may be abandoned by a
+        # thread stuck in it once the stage is left (see prefetchx._engine.Reaper).
+        reapable = not self._keep_source and isinstance(
+            self._source, _MultiProcessingDataLoaderIter
+        )
+        stage = self._pipeline.build(self._source, epoch.stats, reapable=reapable)
+        epoch.tally = stage.tally
+        self._stage: Stage = stage
+        self._next: Callable[[], T] = stage.__next__
+
+    def __iter__(self) -> PrefetchIterator[T]:
+        return self
+
+    def __next__(self) -> T:
+        return self._next()
+
+    def __len__(self) -> int:
+        source = self._source
+        if source is None:
+            if self._length is None:
+                raise TypeError("prefetchx: this iterator is closed and its source had no len()")
+            return self._length
+        return len(source)  # type: ignore[arg-type]  # TypeError if it has none, as len()
+
+    @property
+    def stats(self) -> EpochStats:
+        """The stall meter of this iterator's current epoch."""
+        return self.epoch.stats
+
+    @property
+    def producer_alive(self) -> bool:
+        """Whether the epoch's background thread is still running."""
+        return self._stage.producer_alive
+
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        """DataLoader's hook for persistent workers: the next epoch over the same iterator."""
+        stage = self._stage
+        stage.close()
+        if stage.producer_alive:
+            # Resetting the iterator under a thread that still calls next() on it would mix two
+            # epochs' batches; refuse, and refuse again at the next iter() until it has left.
+            raise RuntimeError(
+                f"prefetchx: the previous epoch's thread is still inside the DataLoader iterator "
+                f"after {_engine.JOIN_TIMEOUT:g} s, and persistent_workers=True shares that "
+                "iterator between epochs, so the next epoch cannot start safely. Is the dataset "
+                "blocked? loader.close() releases the workers; the next iter() then starts new "
+                "ones."
+            )
+        source = self._source
+        begin = getattr(loader, "_begin_epoch", None)
+        if source is None or begin is None:
+            raise RuntimeError("prefetchx: this iterator cannot be reset")
+        # The loader is passed in, not kept: DataLoader's iterators hold no reference to their
+        # loader, so dropping a loader shuts its persistent workers down at once.
+        epoch, building = begin(self._recorder, draws_base_seed=False)
+        with building:
+            source._reset(loader, first_iter)  # type: ignore[attr-defined]  # DataLoader's own
+        self._start(epoch)
+
+    def close(self) -> None:
+        """Stop this iterator's thread, waiting for it (bounded), and drop what it holds.
+
+        Idempotent; ``next()`` raises `StopIteration` afterwards. The DataLoader iterator is
+        released, so its workers shut down, unless the loader keeps it for persistent workers.
+        """
+        self._stage.close()
+        if not self._keep_source and self._source is not None:
+            try:
+                self._length = len(self._source)  # type: ignore[arg-type]
+            except TypeError:
+                self._length = None
+            self._source = None
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names not found otherwise: DataLoader's private iterator attributes (its
+        # workers, queues, pin thread) are read from the DataLoader iterator behind the stages.
+        source = self.__dict__.get("_source")
+        if name.startswith("_") and not name.startswith("__") and source is not None:
+            return getattr(source, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def _num_yielded(self) -> int:
+        """DataLoader's count of the batches handed to the loop this epoch (not the errors)."""
+        return self.epoch.stats.batches
+
+    def _shutdown_workers(self) -> None:
+        """DataLoader's own shutdown, after this iterator's thread has left the iterator."""
+        self.close()
+        source = self.__dict__.get("_source")
+        shutdown = getattr(source, "_shutdown_workers", None)
+        if shutdown is not None and not self.producer_alive:
+            shutdown()
+
+    def _abandon(self) -> None:
+        """The loader lets go of the iterator it kept for persistent workers: close it for good."""
+        self._keep_source = False
+        if isinstance(self._source, _MultiProcessingDataLoaderIter):
+            self._stage.abandon()
+        self.close()
+
+    def __enter__(self) -> PrefetchIterator[T]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> Any:
+        # As DataLoader's own iterators: an iterator with a thread and workers cannot be pickled.
+        raise NotImplementedError("{} cannot be pickled", type(self).__name__)

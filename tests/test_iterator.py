@@ -1,0 +1,545 @@
+"""The lifecycle of one DataLoaderX iterator: leaving it never waits, nothing is left behind."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import multiprocessing.context
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import weakref
+
+import psutil
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from conftest import leftovers
+from prefetchx import DataLoaderX, _engine
+from tests.helpers import (
+    REPO,
+    Counting,
+    Gated,
+    SlowAfterFirst,
+    Squares,
+    Stream,
+    as_lists,
+    child_pids,
+    new_children,
+    wait_until,
+)
+
+
+def _prefetchx_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("prefetchx-")]
+
+
+def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in processes:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+# --- leaving an iterator ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_early_break_stops_thread_and_workers(num_workers: int) -> None:
+    before = child_pids()
+    loader = DataLoaderX(Squares(100), batch_size=2, num_workers=num_workers)
+    workers: list[psutil.Process] = []
+    for i, _ in enumerate(loader):
+        if i == 1:
+            workers = new_children(before)
+            assert _prefetchx_threads()
+            break
+    assert len(workers) == num_workers
+    # The `for` loop's iterator is dropped with the loop: the thread and workers must go.
+    assert wait_until(lambda: not _prefetchx_threads())
+    assert wait_until(lambda: not _alive(workers))
+
+
+def test_an_error_in_the_step_reaches_the_caller_without_waiting_for_the_thread() -> None:
+    loader = DataLoaderX(SlowAfterFirst(10, seconds=3.0), batch_size=1)
+    raised_at = 0.0
+    with pytest.raises(ValueError, match="step failed"):
+        for _ in loader:
+            time.sleep(0.2)  # the thread is now inside item 1, for 3 s
+            raised_at = time.monotonic()
+            raise ValueError("step failed")
+    assert time.monotonic() - raised_at < 1.0
+
+
+def test_break_over_a_blocked_dataset_returns_at_once_without_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_engine, "JOIN_TIMEOUT", 0.5)
+    dataset = Gated(10, block_at=2)
+    loader = DataLoaderX(dataset, batch_size=1)
+    with caplog.at_level(logging.WARNING, logger="prefetchx"):
+        for i, _ in enumerate(loader):
+            if i == 1:
+                assert dataset.reached.wait(10)  # the thread is blocked in item 2
+                start = time.monotonic()
+                break
+        gc.collect()
+        assert time.monotonic() - start < 1.0
+    assert caplog.records == []
+    # loader.close() may wait for the dropped iterator's thread, bounded, and then returns.
+    start = time.monotonic()
+    loader.close()
+    assert 0.4 < time.monotonic() - start < 5.0
+    dataset.gate.set()
+
+
+def test_close_waits_bounded_for_a_thread_inside_the_dataset(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_engine, "JOIN_TIMEOUT", 0.3)
+    dataset = Gated(10, block_at=2)
+    it = iter(DataLoaderX(dataset, batch_size=1))
+    next(it)
+    assert dataset.reached.wait(10)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="prefetchx"):
+        it.close()
+    assert 0.25 < time.monotonic() - start < 5.0
+    assert it.producer_alive
+    assert "did not stop within" in caplog.text
+    dataset.gate.set()
+    assert wait_until(lambda: not it.producer_alive)
+
+
+class _Items:
+    """An iterator object a test can hold a weak reference to."""
+
+    def __init__(self, n: int) -> None:
+        self.it = iter(range(n))
+
+    def __iter__(self) -> _Items:
+        return self
+
+    def __next__(self) -> int:
+        return next(self.it)
+
+
+class _ItemStream(torch.utils.data.IterableDataset[int]):
+    def __init__(self) -> None:
+        self.iterators: list[weakref.ref[_Items]] = []
+
+    def __iter__(self) -> _Items:
+        items = _Items(10**6)
+        self.iterators.append(weakref.ref(items))
+        return items
+
+
+def test_dropped_iterator_releases_the_source_iterator() -> None:
+    dataset = _ItemStream()
+    it = iter(DataLoaderX(dataset, batch_size=2))
+    next(it)
+    next(it)
+    assert dataset.iterators[0]() is not None
+    del it
+    assert wait_until(lambda: dataset.iterators[0]() is None)
+    assert wait_until(lambda: not _prefetchx_threads())
+
+
+def test_iterator_close_is_idempotent() -> None:
+    loader = DataLoaderX(Squares(100), batch_size=2, num_workers=2)
+    it = iter(loader)
+    next(it)
+    it.close()
+    it.close()
+    assert not _prefetchx_threads()
+    with pytest.raises(StopIteration):
+        next(it)
+    assert len(it) == 50  # as DataLoader's iterator, also once closed
+
+
+def test_loader_close_and_context_manager_then_reopen() -> None:
+    with DataLoaderX(Squares(10), batch_size=5, num_workers=2, persistent_workers=True) as loader:
+        it = iter(loader)
+        next(it)
+    assert not it.producer_alive
+    assert loader._iterator is None  # persistent workers released
+    loader.close()  # idempotent
+    # A closed loader reopens: a full epoch, then close again.
+    assert len(list(loader)) == 2
+    loader.close()
+
+
+def test_loader_close_stops_every_running_iterator() -> None:
+    loader = DataLoaderX(Squares(40), batch_size=2)
+    first, second = iter(loader), iter(loader)
+    next(first)
+    next(second)
+    loader.close()
+    assert not first.producer_alive
+    assert not second.producer_alive
+    assert list(first) == []
+
+
+def test_source_iterator_is_created_on_the_calling_thread() -> None:
+    dataset = Stream(5)
+    assert as_lists(DataLoaderX(dataset, batch_size=2)) == [[0, 1], [2, 3], [4]]
+    assert dataset.iter_threads == [threading.current_thread().name]
+
+
+class _WatchedStarts(multiprocessing.context.ForkContext):
+    """A multiprocessing context that notes, at each worker's start, the starting thread and
+    the ``prefetchx-*`` threads alive then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.starts: list[tuple[str, list[str]]] = []
+        watched = self
+
+        class Process(multiprocessing.context.ForkProcess):
+            def start(self) -> None:
+                prefetchx = [t.name for t in _prefetchx_threads()]
+                watched.starts.append((threading.current_thread().name, prefetchx))
+                super().start()
+
+        self.Process = Process  # type: ignore[misc,assignment]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_workers_start_from_the_calling_thread_with_no_abandoned_thread_alive(
+    persistent: bool,
+) -> None:
+    # FIELD pitfall 9: DataLoader installs its worker-failure handler only from the main
+    # thread, and a process started while another thread runs may inherit its held locks. A
+    # dropped iterator's thread is not waited for when it is dropped, but before new workers
+    # start.
+    context = _WatchedStarts()
+    loader = DataLoaderX(
+        SlowAfterFirst(40, seconds=0.05),
+        batch_size=2,
+        num_workers=2,
+        persistent_workers=persistent,
+        multiprocessing_context=context,
+    )
+    try:
+        assert len(as_lists(loader)) == 20  # a whole epoch
+        for _batch in loader:  # an epoch broken after one batch
+            break
+        it = iter(loader)  # an epoch whose iterator is dropped mid-epoch
+        next(it)
+        next(it)
+        del it
+        assert len(as_lists(loader)) == 20
+    finally:
+        loader.close()
+    me = threading.current_thread().name
+    assert context.starts == [(me, [])] * (2 if persistent else 8)
+
+
+def test_memory_is_bounded_by_max_prefetch() -> None:
+    dataset = Counting(1000)
+    loader = DataLoaderX(dataset, batch_size=1, max_prefetch=3)
+    it = iter(loader)
+    next(it)
+    # 1 consumed + 3 waiting in the queue + 1 in the thread's hand, blocked on the full queue.
+    assert wait_until(lambda: dataset.produced == 5)
+    time.sleep(0.3)
+    assert dataset.produced == 5
+    it.close()
+
+
+def test_overlap_of_data_and_step() -> None:
+    # Data and step each sleep 20 ms per batch: serial is 10 x (data + step), overlapped about
+    # 11 x max(data, step). The serial time is measured here too, so a machine whose sleeps
+    # overshoot slows both sides alike, and the bound is generous.
+    step = 0.02
+
+    def epoch(loader: DataLoader[torch.Tensor]) -> float:
+        start = time.perf_counter()
+        for _ in loader:
+            time.sleep(step)
+        return time.perf_counter() - start
+
+    serial = epoch(DataLoader(Squares(10, delay=step), batch_size=1))
+    overlapped = epoch(DataLoaderX(Squares(10, delay=step), batch_size=1, max_prefetch=2))
+    assert overlapped < 0.8 * serial, (overlapped, serial)
+
+
+# --- failures -----------------------------------------------------------------------------------
+
+
+def test_dataset_error_keeps_type_message_and_traceback() -> None:
+    loader = DataLoaderX(Squares(10, fail_at=5), batch_size=2)
+    seen = []
+    with pytest.raises(ValueError, match="boom at index 5") as info:
+        for batch in loader:
+            seen.append(batch.tolist())
+    assert seen == [[[0, 0], [1, 1]], [[2, 4], [3, 9]]]
+    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert "__getitem__" in frames
+
+
+def test_worker_error_keeps_type_and_shows_where() -> None:
+    loader = DataLoaderX(Squares(10, fail_at=5), batch_size=2, num_workers=2)
+    with pytest.raises(ValueError, match="boom at index 5") as info:
+        list(loader)
+    assert "__getitem__" in str(info.value)  # DataLoader's worker traceback, as text
+
+
+class Abort(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("error", [Abort("abort"), KeyboardInterrupt()])
+def test_base_exception_is_never_a_quiet_end_of_epoch(error: BaseException) -> None:
+    loader = DataLoaderX(Squares(10, fail_at=3, error=error), batch_size=1)
+    seen = []
+    with pytest.raises(type(error)):
+        for batch in loader:
+            seen.append(batch)
+    assert len(seen) == 3
+
+
+def test_killed_worker_is_an_error_not_a_hang() -> None:
+    before = child_pids()
+    loader = DataLoaderX(Squares(100, delay=0.2), batch_size=1, num_workers=2)
+    it = iter(loader)
+    next(it)
+    workers = new_children(before)
+    assert workers
+    os.kill(workers[0].pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?i)worker"):
+        for _ in range(100):
+            next(it)
+    assert time.monotonic() - start < 30
+    it.close()
+
+
+def test_gated_producer_blocks_only_the_consumer_of_that_batch() -> None:
+    dataset = Gated(6, block_at=2)
+    it = iter(DataLoaderX(dataset, batch_size=1, max_prefetch=4))
+    assert next(it).tolist() == [0]
+    assert next(it).tolist() == [1]
+    assert dataset.reached.wait(10)
+    dataset.gate.set()
+    assert as_lists(it) == [[2], [3], [4], [5]]
+
+
+# --- a worker that never answers ---------------------------------------------------------------
+
+
+class _StuckAt(Dataset[int]):
+    """Item ``stuck`` never returns (in a worker process)."""
+
+    def __init__(self, n: int, stuck: int) -> None:
+        self.n = n
+        self.stuck = stuck
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i == self.stuck:
+            time.sleep(90)  # a test that fails to release it leaks it for no longer
+        return i
+
+
+RELEASE_WAIT = 40.0
+"""Seconds a stuck worker may take to be released: REAP_AFTER, then DataLoader's own 5 s poll
+and its 5 s join before it terminates the worker."""
+
+
+@pytest.mark.parametrize("how", ["break", "close", "new epoch"])
+def test_a_worker_that_never_answers_is_released_as_dataloader_releases_it(how: str) -> None:
+    # DataLoader: the dropped iterator's __del__ terminates the stuck worker after 5 s.
+    before = child_pids()
+    plain_loader = DataLoader(_StuckAt(8, stuck=3), batch_size=1, num_workers=2)
+    for i, _ in enumerate(plain_loader):
+        if i == 1:
+            break
+    assert not _alive(new_children(before))
+
+    before = child_pids()
+    loader = DataLoaderX(_StuckAt(8, stuck=3), batch_size=1, num_workers=2)
+    it = iter(loader)
+    assert [int(next(it)), int(next(it))] == [0, 1]
+    workers = new_children(before)
+    assert len(workers) == 2
+    assert wait_until(lambda: it._stage.thread is not None and it._stage.thread.in_source)  # type: ignore[union-attr]
+    start = time.monotonic()
+    if how == "break":
+        del it
+    elif how == "close":
+        it.close()
+    else:
+        del it
+        assert [int(b) for b in DataLoaderX(range(4), batch_size=1)] == [0, 1, 2, 3]
+    assert time.monotonic() - start < RELEASE_WAIT
+    threads, pids = leftovers(before, wait=RELEASE_WAIT)
+    assert (threads, pids) == ([], [])
+    assert not _alive(workers)
+
+
+# --- persistent workers ------------------------------------------------------------------------
+
+
+def _broken_slow_persistent(monkeypatch: pytest.MonkeyPatch) -> DataLoaderX[torch.Tensor]:
+    """Persistent workers, an epoch broken after its first batch while the thread goes on into
+    item 1 (2 s), and `close()` and resets that wait 0.3 s."""
+    monkeypatch.setattr(_engine, "JOIN_TIMEOUT", 0.3)
+    loader = DataLoaderX(
+        SlowAfterFirst(4, seconds=2.0),
+        batch_size=1,
+        num_workers=2,
+        persistent_workers=True,
+        max_prefetch=1,
+    )
+    for _ in loader:
+        break
+    return loader
+
+
+def test_persistent_reset_refuses_while_a_thread_is_inside_and_never_hangs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    loader = _broken_slow_persistent(monkeypatch)
+    try:
+        for _attempt in range(2):  # refused, and refused again: never a hang
+            start = time.monotonic()
+            with pytest.raises(RuntimeError, match=r"persistent_workers=True shares that"):
+                iter(loader)
+            assert time.monotonic() - start < 5
+        # Once the thread has left the iterator, a new epoch starts normally.
+        assert wait_until(lambda: not _prefetchx_threads(), timeout=20)
+        assert len(list(loader)) == 4
+    finally:
+        loader.close()
+
+
+def test_persistent_close_then_iter_starts_afresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    loader = _broken_slow_persistent(monkeypatch)
+    try:
+        start = time.monotonic()
+        loader.close()  # waits 0.3 s, then lets go of the iterator and its workers
+        assert time.monotonic() - start < 5
+        assert len(list(loader)) == 4  # new workers, no hang
+    finally:
+        loader.close()
+
+
+# --- Ctrl-C and interpreter exit, in a child interpreter -----------------------------------------
+
+
+def _python(code: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_ctrl_c_while_waiting_raises_keyboard_interrupt_promptly(num_workers: int) -> None:
+    child = _python(f"""
+from prefetchx import DataLoaderX
+from tests.helpers import Squares
+loader = DataLoaderX(Squares(10, delay=60), batch_size=1, num_workers={num_workers})
+it = iter(loader)
+print("waiting", flush=True)
+next(it)
+""")
+    assert child.stdout is not None
+    assert child.stdout.readline().strip() == "waiting"
+    time.sleep(0.5)  # let the child block in next()
+    start = time.monotonic()
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=60)
+    elapsed = time.monotonic() - start
+    assert "KeyboardInterrupt" in err, err
+    assert child.returncode != 0
+    assert elapsed < 5.0, f"took {elapsed:.1f} s to exit after Ctrl-C"
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_ctrl_c_in_the_step_is_raised_at_once_and_never_swallowed(num_workers: int) -> None:
+    # The thread is inside a 30 s item when Ctrl-C comes in the training step: the interrupt
+    # unwinds the loop at once, and a second Ctrl-C is not lost while it does.
+    child = _python(f"""
+import time
+from prefetchx import DataLoaderX
+from tests.helpers import SlowAfterFirst
+loader = DataLoaderX(SlowAfterFirst(10, seconds=30), batch_size=1, num_workers={num_workers})
+try:
+    for batch in loader:
+        print("step", flush=True)
+        time.sleep(60)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    time.sleep(60)
+""")
+    assert child.stdout is not None
+    assert child.stdout.readline().strip() == "step"
+    time.sleep(1.0)  # the thread is inside item 1 now
+    child.send_signal(signal.SIGINT)
+    start = time.monotonic()
+    assert child.stdout.readline().strip() == "interrupted"
+    assert time.monotonic() - start < 3.0
+    child.send_signal(signal.SIGINT)  # the second one ends the child
+    _, err = child.communicate(timeout=60)
+    assert time.monotonic() - start < 6.0
+    assert "KeyboardInterrupt" in err, err
+    assert "Exception ignored" not in err, err
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_interpreter_exits_at_once_and_cleanly_mid_epoch(num_workers: int) -> None:
+    child = _python(f"""
+from prefetchx import DataLoaderX
+from tests.helpers import SlowAfterFirst
+loader = DataLoaderX(SlowAfterFirst(1000, seconds=20), batch_size=1, num_workers={num_workers})
+it = iter(loader)
+next(it)
+print("done", flush=True)
+""")
+    assert child.stdout is not None
+    assert child.stdout.readline().strip() == "done"
+    start = time.monotonic()
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == 0, err
+    assert "Traceback" not in err, err
+    assert "Exception ignored" not in err, err
+    assert time.monotonic() - start < 10.0
+
+
+def test_loader_stats_describe_the_epoch_started_last() -> None:
+    loader = DataLoaderX(Squares(12, delay=0.005), batch_size=3)
+    assert loader.stats.batches == 0
+    for _ in loader:
+        pass
+    assert loader.stats.batches == 4
+    assert loader.stats.verdict().startswith("input-bound")
+    first = loader.stats
+    it = iter(loader)
+    assert loader.stats is not first
+    assert loader.stats is it.stats
+    it.close()
+
+
+def test_interleaved_iterators_keep_their_own_stats() -> None:
+    loader = DataLoaderX(Squares(12), batch_size=3)
+    first, second = iter(loader), iter(loader)
+    next(first)
+    as_lists(second)
+    assert (first.stats.batches, second.stats.batches) == (1, 4)
+    first.close()
