@@ -12,6 +12,7 @@ from torch.utils.data import default_collate
 
 _HWC = "H, W, C"
 _CHW = "C, H, W"
+_MAX_CHANNELS = 4
 _ACCEPTED = "a numpy array or a PIL image (H, W, C or H, W) or a torch tensor (C, H, W or H, W)"
 
 
@@ -33,8 +34,10 @@ def fast_collate(samples: Sequence[Any]) -> Any:
     image is copied once, into the output, and nothing is converted to float. Anything else
     (nested lists, other array-likes) is refused rather than guessed at, and so is a batch that
     mixes torch tensors with numpy arrays or PIL images, which are laid out differently; numpy
-    arrays and PIL images mix. The other elements of the samples are collated by
-    `torch.utils.data.default_collate`.
+    arrays and PIL images mix. So is an image whose shape puts it in the other layout: more
+    than 4 channels where its kind has them and at most 4 at the other end, such as an
+    ``H, W, C`` tensor (``permute(2, 0, 1)`` it) or a ``C, H, W`` array (``torch.from_numpy``
+    it). The other elements of the samples are collated by `torch.utils.data.default_collate`.
 
     Args:
         samples: The samples of one batch, as the ``DataLoader`` hands them to ``collate_fn``.
@@ -46,8 +49,9 @@ def fast_collate(samples: Sequence[Any]) -> Any:
     Raises:
         TypeError: An image that is none of the three kinds, or a batch that mixes torch tensors
             with numpy arrays or PIL images.
-        ValueError: No samples, an image that is not uint8 or not 2-D/3-D, a tensor that is not
-            a dense CPU tensor, or images of different shapes.
+        ValueError: No samples, an image that is not uint8 or not 2-D/3-D, one whose shape
+            puts it in the other layout, a tensor that is not a dense CPU tensor, or images of
+            different shapes.
 
     Examples:
         >>> import numpy as np
@@ -126,7 +130,33 @@ def _as_3d(image: Any, index: int) -> tuple[np.ndarray[Any, Any], str]:
         raise ValueError(
             f"fast_collate: image {index} has shape {array.shape}; it needs {layout} or H, W."
         )
+    else:
+        _refuse_swapped(image, array.shape, layout, index)
     return array, layout
+
+
+def _refuse_swapped(image: Any, shape: tuple[int, ...], layout: str, index: int) -> None:
+    """Refuse a 3-D image whose shape says it is in the other kind's layout.
+
+    An image has 1 to 4 channels (gray, gray and alpha, RGB, RGBA). More than 4 where the
+    channels should be, and at most 4 at the other end, is an ``H, W, C`` tensor (a
+    ``TensorDataset`` of decoded images) or a ``C, H, W`` array (timm's ``ToNumpy``): read as
+    they are, their height would become channels, silently when nothing checks the channel count.
+    """
+    channels, other_end = (shape[0], shape[2]) if layout == _CHW else (shape[2], shape[0])
+    if channels <= _MAX_CHANNELS or other_end > _MAX_CHANNELS:
+        return
+    if layout == _CHW:
+        fix = "torch tensors are read as C, H, W, as torchvision makes them: pass "
+        fix += "tensor.permute(2, 0, 1)."
+    else:
+        fix = "numpy arrays are read as H, W, C, as PIL decodes them: pass "
+        fix += "torch.from_numpy(array) or array.transpose(1, 2, 0)."
+    other = _HWC if layout == _CHW else _CHW
+    raise ValueError(
+        f"fast_collate: image {index} is a {_type_name(image)} of shape {shape}, which looks "
+        f"like {other}; {fix}"
+    )
 
 
 def _tensor_as_array(image: torch.Tensor, index: int) -> np.ndarray[Any, Any]:

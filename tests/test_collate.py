@@ -239,6 +239,49 @@ def test_tensors_it_cannot_read_are_refused(tensor: torch.Tensor, pattern: str) 
         fast_collate([tensor])
 
 
+@pytest.mark.parametrize(
+    ("image", "pattern"),
+    [
+        pytest.param(
+            torch.zeros(32, 30, 3, dtype=torch.uint8),
+            r"image 0 is a torch\.Tensor of shape \(32, 30, 3\), which looks like H, W, C; "
+            r"torch tensors are read as C, H, W, as torchvision makes them: pass "
+            r"tensor\.permute\(2, 0, 1\)\.",
+            id="torch-h-w-c",
+        ),
+        pytest.param(
+            np.zeros((3, 32, 30), np.uint8),
+            r"image 0 is a numpy\.ndarray of shape \(3, 32, 30\), which looks like C, H, W; "
+            r"numpy arrays are read as H, W, C, as PIL decodes them: pass "
+            r"torch\.from_numpy\(array\) or array\.transpose\(1, 2, 0\)\.",
+            id="numpy-c-h-w",
+        ),
+    ],
+)
+def test_an_image_in_the_other_layout_is_refused(image: object, pattern: str) -> None:
+    # What a TensorDataset of decoded H, W, C images, or timm's ToNumpy, hands fast_collate.
+    with pytest.raises(ValueError, match=pattern):
+        fast_collate([image])
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        pytest.param(torch.zeros(5, 6, 7, dtype=torch.uint8), id="torch-5-channels"),
+        pytest.param(torch.zeros(3, 2, 2, dtype=torch.uint8), id="torch-tiny"),
+        pytest.param(np.zeros((5, 6, 8), np.uint8), id="numpy-8-channels"),
+        pytest.param(np.zeros((2, 2, 3), np.uint8), id="numpy-tiny"),
+    ],
+)
+def test_many_channels_or_tiny_images_are_not_taken_for_the_other_layout(image: Any) -> None:
+    # Only more than 4 channels on one end and at most 4 on the other looks swapped.
+    out = fast_collate([image])
+    expected = torch.as_tensor(image)
+    if isinstance(image, np.ndarray):
+        expected = expected.permute(2, 0, 1)
+    assert torch.equal(out[0], expected)
+
+
 @pytest.mark.cuda
 def test_cuda_tensors_are_refused() -> None:
     tensor = torch.zeros(3, 4, 5, dtype=torch.uint8, device="cuda")
