@@ -8,19 +8,17 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-
 
 class Normalize:
     """What to do to the input tensor of a batch, checked once at construction.
 
     ``mean`` and ``std`` are in the units of the input as collated (0-255 for uint8 images) and
     apply on dim 1 of an ``N, C, ...`` input. The arithmetic runs in float32 (float64 for a
-    float64 output) and is cast to ``dtype`` at the end, so float16 and bfloat16 outputs are the
-    correctly rounded float32 result. The constants are checked in that dtype too: each must be
-    finite there, and each ``std`` nonzero with a finite reciprocal, so ``mean=(1e39, ...)`` or
-    ``std=(1e-50, ...)`` is refused for a float32, float16 or bfloat16 output and taken for a
-    float64 one.
+    float64 output) and is cast to ``dtype`` at the end, so float16, bfloat16 and float8 outputs
+    are the correctly rounded float32 result. The constants are checked in that dtype too: each
+    must be finite there, and each ``std`` nonzero with a finite reciprocal, so
+    ``mean=(1e39, ...)`` or ``std=(1e-50, ...)`` is refused for a float32, float16 or bfloat16
+    output and taken for a float64 one.
 
     Args:
         mean: Per-channel means, or ``None``.
@@ -135,7 +133,9 @@ def _channels(name: str, values: Sequence[float] | None) -> tuple[float, ...] | 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype ``(x - mean) / std`` runs in for a ``dtype`` output."""
-    return torch.float32 if dtype in _LOW_PRECISION else dtype
+    # Narrower dtypes compute in float32 and are rounded once at the end: float16 and bfloat16
+    # for accuracy, float8 because torch has no float8 arithmetic, only casts.
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _constant(values: tuple[float, ...], dtype: torch.dtype) -> torch.Tensor:
