@@ -8,16 +8,17 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-
 
 class Normalize:
     """What to do to the input tensor of a batch, checked once at construction.
 
     ``mean`` and ``std`` are in the units of the input as collated (0-255 for uint8 images) and
     apply on dim 1 of an ``N, C, ...`` input. The arithmetic runs in float32 (float64 for a
-    float64 output) and is cast to ``dtype`` at the end, so float16 and bfloat16 outputs are the
-    correctly rounded float32 result.
+    float64 output) and is cast to ``dtype`` at the end, so float16, bfloat16 and float8 outputs
+    are the correctly rounded float32 result. The constants are checked in that dtype too: each
+    must be finite there, and each ``std`` nonzero with a finite reciprocal, so
+    ``mean=(1e39, ...)`` or ``std=(1e-50, ...)`` is refused for a float32, float16 or bfloat16
+    output and taken for a float64 one.
 
     Args:
         mean: Per-channel means, or ``None``.
@@ -27,8 +28,9 @@ class Normalize:
 
     Raises:
         TypeError: An argument has the wrong type.
-        ValueError: Only one of ``mean``/``std``, different lengths, an empty, non-finite or zero
-            value, or a non-floating ``dtype``.
+        ValueError: Only one of ``mean``/``std``, different lengths, an empty sequence, a
+            non-floating ``dtype``, or a value that is not finite, a ``std`` that is 0 or whose
+            reciprocal is not finite, in the dtype the arithmetic runs in.
     """
 
     def __init__(
@@ -43,14 +45,11 @@ class Normalize:
             raise ValueError(f"`{given}` was given without `{missing}`; pass both or neither.")
         self.mean = _channels("mean", mean)
         self.std = _channels("std", std)
-        if self.mean is not None and self.std is not None:
-            if len(self.mean) != len(self.std):
-                raise ValueError(
-                    f"`mean` and `std` must have the same length, got {len(self.mean)}"
-                    f" and {len(self.std)}."
-                )
-            if any(s == 0 for s in self.std):
-                raise ValueError(f"`std` must not contain 0, got {list(self.std)}.")
+        if self.mean is not None and self.std is not None and len(self.mean) != len(self.std):
+            raise ValueError(
+                f"`mean` and `std` must have the same length, got {len(self.mean)}"
+                f" and {len(self.std)}."
+            )
         if dtype is not None:
             if not isinstance(dtype, torch.dtype):
                 raise TypeError(
@@ -64,6 +63,8 @@ class Normalize:
         if dtype is None and self.mean is not None:
             dtype = torch.float32
         self.dtype = dtype
+        if self.mean is not None and self.std is not None and dtype is not None:
+            _check_constants(self.mean, self.std, _work_dtype(dtype))
         if not isinstance(channels_last, bool):
             raise TypeError(f"`channels_last` must be a bool, got {channels_last!r}.")
         self.channels_last = channels_last
@@ -88,7 +89,7 @@ class Normalize:
                     f"{tuple(x.shape)}; channels are dim 1)."
                 )
             assert self.dtype is not None  # set with mean in __init__
-            work = torch.float32 if self.dtype in _LOW_PRECISION else self.dtype
+            work = _work_dtype(self.dtype)
             mean, std = self._on(x, work)
             # Out of place first: x may be the caller's tensor (or a view of the dataset).
             x = (x.to(work) - mean).div_(std)
@@ -104,8 +105,10 @@ class Normalize:
         constants = self._constants.get(key)
         if constants is None:
             shape = (1, -1) + (1,) * (x.dim() - 2)
+            assert self.mean is not None  # only called with mean and std
+            assert self.std is not None
             constants = tuple(
-                torch.tensor(values, dtype=dtype).view(shape).to(x.device)
+                _constant(values, dtype).view(shape).to(x.device)
                 for values in (self.mean, self.std)
             )
             self._constants[key] = constants
@@ -125,6 +128,66 @@ def _channels(name: str, values: Sequence[float] | None) -> tuple[float, ...] | 
         raise TypeError(f"`{name}` must be a sequence of numbers, got {values!r}.") from None
     if not out:
         raise ValueError(f"`{name}` must have at least one channel, got {values!r}.")
-    if not all(math.isfinite(v) for v in out):
-        raise ValueError(f"`{name}` must be finite, got {list(out)}.")
     return out
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``(x - mean) / std`` runs in for a ``dtype`` output."""
+    # Narrower dtypes compute in float32 and are rounded once at the end: float16 and bfloat16
+    # for accuracy, float8 because torch has no float8 arithmetic, only casts.
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _constant(values: tuple[float, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``values`` as the arithmetic gets them; the checks convert them the same way."""
+    return torch.tensor(values, dtype=dtype)
+
+
+def _check_constants(mean: tuple[float, ...], std: tuple[float, ...], work: torch.dtype) -> None:
+    """Refuse ``mean``/``std`` values that the arithmetic in ``work`` would make inf or nan.
+
+    Each must be finite in ``work``, and each ``std`` nonzero with a finite reciprocal there. A
+    Python float has float64's range: in float32 ``1e39`` is inf and ``1e-50`` is 0, and either
+    would make its whole channel inf or nan with no error, so they are refused here, where the
+    argument is.
+    """
+    mean_t, std_t = _constant(mean, work), _constant(std, work)
+    _require("mean", mean, mean_t, torch.isfinite(mean_t), "be finite", work)
+    _require("std", std, std_t, torch.isfinite(std_t), "be finite", work)
+    _require("std", std, std_t, std_t != 0, "not be 0", work)
+    # The arithmetic divides by std: a denormal std (1e-45 in float32) is not 0, but 1/std is
+    # inf there, and so is x / std for every |x| >= 1.
+    reciprocal = torch.reciprocal(std_t)
+    _require(
+        "std",
+        std,
+        reciprocal,
+        torch.isfinite(reciprocal),
+        "have a finite reciprocal",
+        work,
+        shown_as="whose reciprocal is",
+    )
+
+
+def _require(
+    name: str,
+    given: tuple[float, ...],
+    converted: torch.Tensor,
+    ok: torch.Tensor,
+    rule: str,
+    work: torch.dtype,
+    shown_as: str = "which is",
+) -> None:
+    """Raise for the first channel that is not ``ok``, naming its value as given and in ``work``."""
+    bad = (~ok).nonzero()
+    if len(bad) == 0:
+        return
+    channel = int(bad[0])
+    value = given[channel]
+    shown = ""
+    if math.isfinite(value) and value != 0:  # else it is as bad in every dtype, and says so
+        shown = f", {shown_as} {converted[channel].item()} in {work}"
+    raise ValueError(
+        f"`{name}` must {rule} in {work}, the dtype it is applied in; channel {channel} is "
+        f"{value}{shown}."
+    )

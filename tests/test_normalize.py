@@ -27,7 +27,17 @@ def _reference(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "dtype", [None, torch.float32, torch.float16, torch.bfloat16, torch.float64]
+    "dtype",
+    [
+        None,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        # Computed in float32 like float16: there is no float8 arithmetic, only casts.
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    ],
 )
 def test_values_match_the_reference(dtype: torch.dtype | None) -> None:
     x = _images()
@@ -91,8 +101,24 @@ def test_channels_last_needs_4d() -> None:
         ({"mean": MEAN}, ValueError, r"`mean` was given without `std`"),
         ({"std": STD}, ValueError, r"`std` was given without `mean`"),
         ({"mean": (1.0, 2.0), "std": (1.0,)}, ValueError, r"same length, got 2 and 1"),
-        ({"mean": (1.0,), "std": (0.0,)}, ValueError, r"`std` must not contain 0, got \[0\.0\]"),
-        ({"mean": (math.nan,), "std": (1.0,)}, ValueError, r"`mean` must be finite"),
+        (
+            {"mean": (1.0, 2.0), "std": (1.0, 0.0)},
+            ValueError,
+            r"`std` must not be 0 in torch\.float32, the dtype it is applied in; channel 1 is "
+            r"0\.0\.$",
+        ),
+        (
+            {"mean": (math.nan,), "std": (1.0,)},
+            ValueError,
+            r"`mean` must be finite in torch\.float32, the dtype it is applied in; channel 0 is "
+            r"nan\.$",
+        ),
+        (
+            {"mean": (0.0,), "std": (-math.inf,), "dtype": torch.float64},
+            ValueError,
+            r"`std` must be finite in torch\.float64, the dtype it is applied in; channel 0 is "
+            r"-inf\.$",
+        ),
         ({"mean": (), "std": ()}, ValueError, r"`mean` must have at least one channel"),
         ({"mean": "abc", "std": "abc"}, TypeError, r"`mean` must be a sequence of numbers"),
         ({"mean": ("a",), "std": (1.0,)}, TypeError, r"`mean` must be a sequence of numbers"),
@@ -104,6 +130,81 @@ def test_channels_last_needs_4d() -> None:
 def test_bad_arguments(kwargs: dict[str, object], exc: type[Exception], pattern: str) -> None:
     with pytest.raises(exc, match=pattern):
         Normalize(**kwargs)  # type: ignore[arg-type]
+
+
+# float16 and bfloat16 outputs compute in float32, so their constants are checked there.
+_IN_FLOAT32 = [None, torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", _IN_FLOAT32)
+@pytest.mark.parametrize(
+    ("mean", "std", "pattern"),
+    [
+        pytest.param(
+            (1e39, 0.0, 0.0),
+            (1.0, 1.0, 1.0),
+            r"`mean` must be finite in torch\.float32, the dtype it is applied in; channel 0 is "
+            r"1e\+39, which is inf in torch\.float32\.",
+            id="mean-overflows",
+        ),
+        pytest.param(
+            (0.0, 0.0, 0.0),
+            (1.0, 1.0, -1e39),
+            r"`std` must be finite in torch\.float32, the dtype it is applied in; channel 2 is "
+            r"-1e\+39, which is -inf in torch\.float32\.",
+            id="std-overflows",
+        ),
+        pytest.param(
+            (0.0, 0.0, 0.0),
+            (1e-50, 1.0, 1.0),
+            r"`std` must not be 0 in torch\.float32, the dtype it is applied in; channel 0 is "
+            r"1e-50, which is 0\.0 in torch\.float32\.",
+            id="std-underflows",
+        ),
+        pytest.param(
+            (0.0, 0.0, 0.0),
+            (1.0, 1e-45, 1.0),
+            r"`std` must have a finite reciprocal in torch\.float32, the dtype it is applied in; "
+            r"channel 1 is 1e-45, whose reciprocal is inf in torch\.float32\.",
+            id="std-reciprocal-overflows",
+        ),
+    ],
+)
+def test_constants_are_checked_in_the_dtype_they_are_applied_in(
+    dtype: torch.dtype | None, mean: tuple[float, ...], std: tuple[float, ...], pattern: str
+) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        Normalize(mean, std, dtype)
+
+
+def test_float64_output_checks_in_float64() -> None:
+    # Out of float32's range but in float64's: a float64 output computes in float64.
+    mean, std = (1e39, 0.0, 0.0), (1.0, 1e-50, 1.0)
+    x = _images()
+    out = Normalize(mean, std, torch.float64)(x)
+    work_mean = torch.tensor(mean, dtype=torch.float64).view(1, -1, 1, 1)
+    work_std = torch.tensor(std, dtype=torch.float64).view(1, -1, 1, 1)
+    expected = (x.double() - work_mean) / work_std
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    with pytest.raises(
+        ValueError,
+        match=r"`std` must have a finite reciprocal in torch\.float64, the dtype it is applied "
+        r"in; channel 1 is 1e-310, whose reciprocal is inf in torch\.float64\.",
+    ):
+        Normalize((0.0, 0.0), (1.0, 1e-310), torch.float64)
+
+
+@pytest.mark.parametrize("dtype", _IN_FLOAT32)
+def test_constants_at_the_edge_of_float32_are_taken(dtype: torch.dtype | None) -> None:
+    # Near float32's largest value, and its smallest normal one, whose reciprocal is finite.
+    mean, std = (3e38, 0.0, 0.0), (1.0, 1.0, 2.0**-126)
+    x = torch.tensor([0, 1, 0], dtype=torch.uint8).view(1, 3, 1, 1)
+    out = Normalize(mean, std, dtype)(x)
+    work_mean = torch.tensor(mean).view(1, -1, 1, 1)
+    work_std = torch.tensor(std).view(1, -1, 1, 1)
+    expected = ((x.float() - work_mean) / work_std).to(out.dtype)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
 def test_mean_and_std_may_be_tensors() -> None:
