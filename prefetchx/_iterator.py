@@ -34,7 +34,7 @@ from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from prefetchx import _engine
 from prefetchx._pipeline import Pipeline, Stage
-from prefetchx._resume import Position
+from prefetchx._resume import DatasetSnapshots, Position
 from prefetchx._stats import EpochStats, Tally
 
 T = TypeVar("T")
@@ -43,13 +43,15 @@ T = TypeVar("T")
 class Epoch:
     """What the loader reports of one epoch, also after its iterator is gone."""
 
-    __slots__ = ("position", "stats", "tally")
+    __slots__ = ("position", "snapshots", "stats", "tally")
 
     def __init__(self, position: Position | None = None) -> None:
         self.stats = EpochStats()
         self.tally = Tally(self.stats.wait)
         self.position = position
         """Where the sampler is, for `DataLoaderX.state_dict`; ``None`` without a sampler."""
+        self.snapshots: DatasetSnapshots | None = None
+        """An IterableDataset's own states after each batch, where they can be known."""
 
 
 class PrefetchIterator(Iterator[T], Generic[T]):
@@ -68,8 +70,10 @@ class PrefetchIterator(Iterator[T], Generic[T]):
         *,
         keep_source: bool = False,
         recorder: Any = None,
+        feed: Iterator[T] | None = None,
     ) -> None:
         self._source: Iterator[T] | None = source
+        self._feed = feed  # what the stages pull from, when not the source itself
         self._pipeline = pipeline
         self._keep_source = keep_source
         self._recorder = recorder  # the DataLoader iterator's index sampler, for _reset
@@ -84,7 +88,8 @@ class PrefetchIterator(Iterator[T], Generic[T]):
         reapable = not self._keep_source and isinstance(
             self._source, _MultiProcessingDataLoaderIter
         )
-        stage = self._pipeline.build(self._source, epoch.stats, reapable=reapable)
+        feed = self._feed if self._feed is not None else self._source
+        stage = self._pipeline.build(feed, epoch.stats, reapable=reapable)
         epoch.tally = stage.tally
         self._stage: Stage = stage
         self._next: Callable[[], T] = stage.__next__

@@ -17,6 +17,7 @@ from prefetchx import _engine
 from prefetchx._iterator import Epoch, PrefetchIterator
 from prefetchx._pipeline import Pipeline
 from prefetchx._resume import (
+    DatasetSnapshots,
     IndexRecorder,
     IterableResume,
     Position,
@@ -24,6 +25,7 @@ from prefetchx._resume import (
     before_first_draw,
     between_epochs,
     describe,
+    has_own_state,
     random_generators,
 )
 from prefetchx._stats import EpochStats
@@ -170,10 +172,17 @@ class DataLoaderX(DataLoader[T_co]):
             settle(_engine.JOIN_TIMEOUT)
         recorder = self._new_recorder()
         epoch, building = self._begin_epoch(recorder, draws_base_seed=True)
+        snapshots = self._dataset_snapshots()  # before DataLoader calls iter(dataset)
         with _handing(self, recorder), building:
             source = super()._get_iterator()
+        epoch.snapshots = feed = snapshots.over(source) if snapshots is not None else None
         iterator: PrefetchIterator[Any] = PrefetchIterator(
-            source, self._pipeline, epoch, keep_source=self._keeps_iterator(), recorder=recorder
+            source,
+            self._pipeline,
+            epoch,
+            keep_source=self._keeps_iterator(),
+            recorder=recorder,
+            feed=feed,
         )
         self._live.add(iterator)
         return iterator
@@ -208,6 +217,8 @@ class DataLoaderX(DataLoader[T_co]):
         epoch: Epoch
         building: contextlib.AbstractContextManager[None]
         if recorder is None:
+            if isinstance(resume, IterableResume) and resume.dataset_state is not None:
+                self.dataset.load_state_dict(resume.dataset_state)  # type: ignore[attr-defined]  # checked at load
             epoch, building = Epoch(None), contextlib.nullcontext()
         else:
             assert not isinstance(resume, IterableResume)  # load_state_dict checked the kind
@@ -216,6 +227,16 @@ class DataLoaderX(DataLoader[T_co]):
             epoch, building = Epoch(position), recorder.building(draws_base_seed)
         self._latest = epoch
         return epoch, building
+
+    def _dataset_snapshots(self) -> DatasetSnapshots | None:
+        """For an IterableDataset with its own state, iterated in this process: its states."""
+        if self.num_workers > 0 or not isinstance(self.dataset, IterableDataset):
+            return None  # workers iterate copies of the dataset: their states stay there
+        if not has_own_state(self.dataset):
+            return None
+        # The stages run at most this far ahead of the batch the loop has.
+        keep = self._pipeline.max_prefetch + self._pipeline.device_prefetch + 8
+        return DatasetSnapshots(self.dataset, keep)
 
     def _keeps_iterator(self) -> bool:
         """Whether DataLoader keeps one iterator for all epochs (persistent workers)."""
@@ -229,9 +250,12 @@ class DataLoaderX(DataLoader[T_co]):
         Call it when you checkpoint the model; the state fits ``torch.save`` and
         ``torch.load(weights_only=True)``. See `load_state_dict`.
 
-        For an ``IterableDataset`` the state says how far the loop got but cannot resume inside
-        an epoch (there is no sampler to replay); it restores between epochs, and lets
-        checkpointing frameworks save and load the loader alike.
+        For an ``IterableDataset`` there is no sampler to replay. A dataset with its own
+        ``state_dict()``/``load_state_dict()`` (torchdata's convention) is saved in the state:
+        between epochs as it is, inside an epoch with ``num_workers=0`` as it was right after
+        the last batch the loop received (the thread's lead does not count). Otherwise the state
+        says how far the loop got, which cannot resume inside an epoch; checkpointing frameworks
+        save and load it alike.
 
         Examples:
             >>> loader = DataLoaderX(range(10), batch_size=2, max_prefetch=1)
@@ -254,7 +278,12 @@ class DataLoaderX(DataLoader[T_co]):
         in_epoch = epoch is not None and not epoch.tally.ended
         if isinstance(self.dataset, IterableDataset):
             consumed = epoch.tally.count if epoch is not None and in_epoch else 0
-            return IterableResume(in_epoch, consumed).to_state(described)
+            own: Any = None
+            if not in_epoch and has_own_state(self.dataset):
+                own = self.dataset.state_dict()  # type: ignore[attr-defined]  # checked
+            elif epoch is not None and epoch.snapshots is not None:
+                own = epoch.snapshots.after(consumed)
+            return IterableResume(in_epoch, consumed, own).to_state(described)
         generators = random_generators(self)
         if epoch is None or not in_epoch:
             state = between_epochs(generators, base_seed_next=not self._has_kept_iterator())
@@ -288,24 +317,31 @@ class DataLoaderX(DataLoader[T_co]):
 
         Random augmentations drawn in the dataset from the workers' RNG are not replayed: they
         depend on what each worker drew before, which skipping does not load. An
-        ``IterableDataset`` cannot be resumed inside an epoch: such a state warns, and the next
-        epoch starts from the beginning of the dataset.
+        ``IterableDataset``'s own saved state is loaded into it before the next ``iter()``; a
+        state inside an epoch without one (no ``state_dict`` on the dataset, or workers) warns,
+        and the next epoch starts from the beginning of the dataset.
 
         Raises:
             TypeError: ``state`` is not a state of a `DataLoaderX`.
             ValueError: A field of ``state`` is missing or malformed (the message names it),
                 ``state`` comes from a loader with another dataset length, batch size,
-                ``drop_last``, sampler or shard, or (at the next ``iter()`` or first batch) its
-                replay draws other indices.
+                ``drop_last``, sampler or shard, holds a dataset state for a dataset that has
+                none, or (at the next ``iter()`` or first batch) its replay draws other indices.
         """
         described = describe(self, super()._index_sampler)
         if isinstance(self.dataset, IterableDataset):
             resume = IterableResume.from_state(state, described)
-            if resume.in_epoch and resume.consumed:
+            if resume.dataset_state is not None and not has_own_state(self.dataset):
+                raise ValueError(
+                    "`state['dataset_state']` holds the dataset's own state, but this dataset "
+                    f"({type(self.dataset).__name__}) has no state_dict()/load_state_dict()."
+                )
+            if resume.in_epoch and resume.consumed and resume.dataset_state is None:
                 warnings.warn(
                     f"prefetchx: the state was taken {resume.consumed} batches into an epoch of "
-                    "an IterableDataset, which has no sampler to replay; the next epoch starts "
-                    "from the beginning of the dataset.",
+                    "an IterableDataset, which has no sampler to replay and whose own state was "
+                    "not saved (it has no state_dict(), or workers iterate it); the next epoch "
+                    "starts from the beginning of the dataset.",
                     stacklevel=2,
                 )
             self._resume = resume

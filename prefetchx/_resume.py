@@ -22,6 +22,7 @@ would do, and the resumed epoch draws or undoes that draw to match.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import zlib
 from collections.abc import Iterator, Sequence
@@ -41,7 +42,7 @@ _SAMPLER_FIELDS = (
     "rng_states_at_iter",
     "base_seed_next",
 )
-_ITERABLE_FIELDS = ("loader", "epoch_in_progress", "consumed")
+_ITERABLE_FIELDS = ("loader", "epoch_in_progress", "consumed", "dataset_state")
 
 States = list[torch.Tensor | None]
 """One state per generator of `random_generators`; ``None`` leaves that generator alone."""
@@ -175,20 +176,86 @@ class Resume:
 
 @dataclass(frozen=True)
 class IterableResume:
-    """A loaded state of a loader over an ``IterableDataset``."""
+    """A loaded state of a loader over an ``IterableDataset``.
+
+    ``dataset_state`` is the dataset's own ``state_dict()`` (torchdata's convention), taken
+    where the loop was: between epochs, or after the last batch the loop received. ``None``
+    when the dataset has none, or when its state there is not known (its copies iterate in the
+    worker processes): such a state inside an epoch cannot resume it.
+    """
 
     in_epoch: bool
     consumed: int
+    dataset_state: Any = None
 
     def to_state(self, loader: dict[str, Any]) -> dict[str, Any]:
         """The state as plain data."""
-        return _header(loader, self.in_epoch, self.consumed)
+        return {
+            **_header(loader, self.in_epoch, self.consumed),
+            "dataset_state": self.dataset_state,
+        }
 
     @classmethod
     def from_state(cls, state: object, loader: dict[str, Any]) -> IterableResume:
         """Check every field of ``state`` against this loader; parse it."""
         fields = _checked_header(state, _ITERABLE_FIELDS, loader)
-        return cls(_bool(fields, "epoch_in_progress"), _count(fields, "consumed"))
+        return cls(
+            _bool(fields, "epoch_in_progress"), _count(fields, "consumed"), fields["dataset_state"]
+        )
+
+
+def has_own_state(dataset: Any) -> bool:
+    """Whether ``dataset`` keeps its own iteration state (``state_dict``/``load_state_dict``)."""
+    return callable(getattr(dataset, "state_dict", None)) and callable(
+        getattr(dataset, "load_state_dict", None)
+    )
+
+
+class DatasetSnapshots(Iterator[Any]):
+    """The source of the stages for an ``IterableDataset`` with its own state, iterated in this
+    process (``num_workers=0``): it notes ``dataset.state_dict()`` right after each batch is made
+    (or fails), in whichever thread made it, so the state of the batch the loop received last
+    can be told however far the thread has run ahead.
+
+    Only the last ``keep`` states are kept: the stages run at most that far ahead of the loop.
+    """
+
+    def __init__(self, dataset: Any, keep: int) -> None:
+        self._dataset = dataset
+        self._source: Iterator[Any] = iter(())
+        self._states: collections.deque[tuple[int, Any]] = collections.deque(maxlen=keep)
+        self._made = 0
+        self.initial = dataset.state_dict()
+        """The state before the epoch's first batch: made before DataLoader's iter(dataset)."""
+
+    def over(self, source: Iterator[Any]) -> DatasetSnapshots:
+        """Take batches from ``source``, DataLoader's iterator made after this."""
+        self._source = source
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            batch = next(self._source)
+        except StopIteration:
+            raise
+        except BaseException:
+            self._note()
+            raise
+        self._note()
+        return batch
+
+    def _note(self) -> None:
+        self._made += 1
+        self._states.append((self._made, self._dataset.state_dict()))
+
+    def after(self, count: int) -> Any:
+        """The dataset's state after the first ``count`` outcomes, or ``None`` if not kept."""
+        if count == 0:
+            return self.initial
+        for made, state in reversed(self._states):
+            if made == count:
+                return state
+        return None
 
 
 def _header(loader: dict[str, Any], in_epoch: bool, consumed: int) -> dict[str, Any]:

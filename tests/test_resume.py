@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import io
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -564,3 +565,90 @@ def test_state_describes_the_iterator_started_last() -> None:
     resumed.load_state_dict(state)
     assert as_lists(resumed) == rest_of_second
     assert sorted(i for batch in got + rest_of_second for i in batch) == list(range(N))
+
+
+# --- an IterableDataset that keeps its own state (torchdata's convention) ------------------------
+
+
+class Resumable(torch.utils.data.IterableDataset[int]):
+    """``range(n)`` as a stream that knows where it is: ``state_dict``/``load_state_dict``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.position = 0
+        self.epochs = 0
+
+    def __iter__(self) -> Iterator[int]:
+        for i in range(self.position, self.n):
+            self.position = i + 1
+            yield i
+        self.position = 0
+        self.epochs += 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position, "epochs": self.epochs}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position, self.epochs = state["position"], state["epochs"]
+
+
+@pytest.mark.parametrize("max_prefetch", [0, 2, 5])
+@pytest.mark.parametrize("consumed", [0, 1, 3, 7])
+def test_an_iterable_dataset_with_its_own_state_resumes_where_the_loop_was(
+    max_prefetch: int, consumed: int
+) -> None:
+    def make() -> DataLoaderX[Any]:
+        return DataLoaderX(Resumable(14), batch_size=2, max_prefetch=max_prefetch)
+
+    expected = as_lists(make())
+    loader = make()
+    it = iter(loader)
+    got = [next(it).tolist() for _ in range(consumed)]
+    if max_prefetch and consumed:  # the thread runs ahead: the dataset's own state is ahead too
+        snapshots = loader._latest.snapshots  # type: ignore[union-attr]
+        made = min(consumed + max_prefetch, 7)
+        assert wait_until(lambda: snapshots is not None and snapshots._made >= made)
+    state = _through_disk(loader.state_dict())
+    it.close()
+    assert state["dataset_state"] == {"position": 2 * consumed, "epochs": 0}
+
+    resumed = make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # resumable: no warning
+        resumed.load_state_dict(state)
+    assert got + as_lists(resumed) == expected
+    assert as_lists(resumed) == expected  # and the next epoch starts over
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_iterable_datasets_own_state_is_restored_between_epochs(num_workers: int) -> None:
+    loader = DataLoaderX(Resumable(6), batch_size=2, num_workers=num_workers)
+    as_lists(loader)
+    loader.dataset.epochs = 5  # type: ignore[attr-defined]  # what its owner keeps there
+    state = _through_disk(loader.state_dict())
+    assert state["dataset_state"] == {"position": 0, "epochs": 5}
+    resumed = DataLoaderX(Resumable(6), batch_size=2, num_workers=num_workers)
+    resumed.load_state_dict(state)
+    assert resumed.dataset.epochs == 0  # type: ignore[attr-defined]  # applied at the next iter()
+    it = iter(resumed)
+    # Applied before DataLoader iterates the dataset: in this process, or in the workers' copies.
+    assert resumed.dataset.epochs == 5  # type: ignore[attr-defined]
+    it.close()
+
+
+def test_with_workers_an_iterable_datasets_state_inside_an_epoch_cannot_resume() -> None:
+    loader = DataLoaderX(Resumable(10), batch_size=2, num_workers=2)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    it.close()
+    assert state["dataset_state"] is None  # the workers iterate their own copies
+    with pytest.warns(UserWarning, match="the next epoch starts from the beginning"):
+        DataLoaderX(Resumable(10), batch_size=2, num_workers=2).load_state_dict(state)
+
+
+def test_a_dataset_state_for_a_dataset_without_one_is_refused() -> None:
+    loader = DataLoaderX(Resumable(6), batch_size=2)
+    state = loader.state_dict()
+    with pytest.raises(ValueError, match=r"holds the dataset's own state, but this dataset"):
+        DataLoaderX(Stream(6), batch_size=2).load_state_dict(state)
