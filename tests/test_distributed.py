@@ -10,6 +10,7 @@ context leaves multiprocessing's resource tracker running in it for the rest of 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import gc
 import os
 import sys
@@ -36,6 +37,27 @@ NUM_WORKERS = (0, 2)
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 """A rank waiting this long in a collective for the other fails instead of hanging."""
 
+STACKS_AFTER = 45.0
+"""Seconds after which each rank and each worker prints every thread's stack to stderr, again
+every as many seconds: a rank stuck before the collective timeout then shows where it is."""
+
+
+def _watch_stacks() -> None:
+    """In a rank: dump all threads' stacks to stderr every `STACKS_AFTER` seconds."""
+    faulthandler.dump_traceback_later(STACKS_AFTER, repeat=True, file=sys.stderr)
+
+
+def _watch_worker(worker_id: int) -> None:
+    """In a worker: dump its stacks once after `STACKS_AFTER` seconds if it is still running.
+
+    Not `dump_traceback_later`: in a child forked from a rank that armed it, it waits forever
+    on the rank's watchdog thread, which the child does not have.
+    """
+    timer = threading.Timer(STACKS_AFTER, faulthandler.dump_traceback, kwargs={"file": sys.stderr})
+    timer.daemon = True
+    timer.start()
+
+
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
@@ -52,6 +74,7 @@ class Indexed(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
 
 def _run_rank(out_dir: str) -> None:
     """One rank: DDP training from DataLoaderX, and the plain DataLoader's epochs beside it."""
+    _watch_stacks()
     dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)  # torchrun's environment
     rank = dist.get_rank()
     try:
@@ -63,7 +86,12 @@ def _run_rank(out_dir: str) -> None:
         dataset = Indexed()
         sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)
         for num_workers in NUM_WORKERS:
-            kwargs = {"batch_size": BATCH_SIZE, "sampler": sampler, "num_workers": num_workers}
+            kwargs: dict[str, Any] = {
+                "batch_size": BATCH_SIZE,
+                "sampler": sampler,
+                "num_workers": num_workers,
+                "worker_init_fn": _watch_worker if num_workers else None,
+            }
             ours = DataLoaderX(dataset, **kwargs)
             plain = DataLoader(dataset, **kwargs)
             for epoch in range(EPOCHS):
@@ -82,6 +110,7 @@ def _run_rank(out_dir: str) -> None:
         record["leaks"] = _leaks_after_close()
         torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
+        faulthandler.cancel_dump_traceback_later()
         dist.destroy_process_group()
 
 
