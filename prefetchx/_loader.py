@@ -61,7 +61,8 @@ class DataLoaderX(DataLoader[T_co]):
     for a batch reaches the caller with its type and traceback, and the next ``next()`` goes on
     with the batch after it. An iterator has ``len()``; ``close()`` on it, or leaving a ``with``
     block, stops its thread (waiting for it, bounded); a dropped iterator, an early ``break`` or
-    an exception in the loop asks the thread to stop and never waits. See
+    an exception in the loop asks the thread to stop and never waits for it (the DataLoader
+    iterator, with its workers, is released at once unless the thread is inside it). See
     ``prefetchx._iterator`` for the whole lifecycle.
 
     Where prefetching cannot be exact: a dataset that draws from the global RNG (torch's, numpy's
