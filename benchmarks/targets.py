@@ -19,7 +19,7 @@ import sys
 import time
 
 from prefetchx import ThreadStage
-from prefetchx._bench import Case, machine_meta, measure
+from prefetchx.bench.synthetic import Case, machine_meta, measure
 
 
 def _meter_cost_us(n: int = 200_000, rounds: int = 7) -> float:

@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from prefetchx._bench import Case, as_rows, format_table, machine_meta, measure
+from prefetchx.bench.synthetic import Case, as_rows, format_table, machine_meta, measure
 
 GRID = [
     Case("sleep", 5, 5, 100, rounds=5),

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from prefetchx.__main__ import main
-from prefetchx._bench import Case, Work, machine_meta, measure
+from prefetchx.bench.cli import main
+from prefetchx.bench.synthetic import Case, Work, machine_meta, measure
 
 
 def test_measure_shows_the_thread_overlapping_sleeps() -> None:
@@ -82,7 +82,7 @@ def test_bench_plot_writes_a_png(tmp_path: Path) -> None:
 
 def test_jpeg_workload_runs_both_arms() -> None:
     pytest.importorskip("PIL")
-    from prefetchx._bench_jpeg import measure_jpeg
+    from prefetchx.bench.jpeg import measure_jpeg
 
     result = measure_jpeg(0, images=8, batch_size=4, rounds=1)
     assert result.batches == 2

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from prefetchx._bench_jpeg import MEAN, STD
 from prefetchx._loader import DataLoaderX
+from prefetchx.bench.jpeg import MEAN, STD
 
 
 class _Repeat(Dataset[torch.Tensor]):

@@ -1,0 +1,205 @@
+"""Command line: ``python -m prefetchx bench`` (or ``prefetchx bench``).
+
+Measures what prefetching saves on this machine: a synthetic loop with three kinds of work, a
+JPEG-decoding CPU workload, and, where CUDA is present, copy bandwidth and an end-to-end GPU step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from prefetchx import __version__
+from prefetchx.bench.synthetic import ArmResult, Case, as_rows, format_table, machine_meta, measure
+
+DEFAULT_GRID = [
+    Case("sleep", 5, 5, 50, rounds=5),  # the overlap-efficiency target
+    Case("sleep", 10, 5, 30),
+    Case("numpy", 5, 5, 40),
+    Case("python", 5, 5, 40),  # the control: the GIL leaves nothing to overlap
+    # No step work: long epochs, as each batch costs only microseconds, and the recipe apart,
+    # as it is 5-10x slower there.
+    Case("sleep", 0, 0, 20000, rounds=7, arms=("plain", "prefetchx")),  # the >= 0.9x target
+    Case("sleep", 0, 0, 2000),
+]
+QUICK_GRID = [
+    Case("sleep", 5, 5, 30),
+    Case("python", 2, 2, 30, rounds=1),
+    Case("sleep", 0, 0, 10000, rounds=5, arms=("plain", "prefetchx")),
+]
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _meta(args: argparse.Namespace) -> dict[str, Any]:
+    return {**machine_meta(), "max_prefetch": args.max_prefetch, "quick": args.quick}
+
+
+def _synthetic(args: argparse.Namespace) -> list[ArmResult]:
+    print("\n== Synthetic loop: per-batch data and step cost; arms interleaved; medians ==")
+    results: list[ArmResult] = []
+    for case in QUICK_GRID if args.quick else DEFAULT_GRID:
+        results.extend(measure(case, max_prefetch=args.max_prefetch, progress=_log))
+    print(format_table(results), flush=True)
+    return results
+
+
+def _jpeg() -> list[dict[str, Any]]:
+    print("\n== JPEG decode + small conv net step on the CPU (96 images, batch 16) ==")
+    try:
+        import PIL  # noqa: F401
+    except ImportError:
+        print("skipped: needs pillow (pip install pillow)")
+        return []
+    from prefetchx.bench.jpeg import measure_jpeg
+
+    rows = []
+    default_threads = torch.get_num_threads()
+    print(
+        f"{'threads':>8} {'workers':>8} {'plain ms':>9} {'prefetchx ms':>13} {'speedup':>8}  "
+        "prefetchx stall meter"
+    )
+    for threads in sorted({default_threads, 1}, reverse=True):
+        torch.set_num_threads(threads)
+        try:
+            for workers in (0, 2):
+                r = measure_jpeg(workers, images=96, progress=_log)
+                print(
+                    f"{threads:>8} {workers:>8} {r.plain_s * 1e3:>9.1f} "
+                    f"{r.prefetchx_s * 1e3:>13.1f} {r.speedup:>7.2f}x  {r.verdict}",
+                    flush=True,
+                )
+                rows.append({"torch_threads": threads, **asdict(r)})
+        finally:
+            torch.set_num_threads(default_threads)
+    return rows
+
+
+def _cuda() -> dict[str, Any]:
+    from prefetchx.bench.cuda import measure_copy, measure_step
+
+    print(f"\n== CUDA: {torch.cuda.get_device_name()} ==")
+    print(f"{'MB':>6} {'raw GB/s':>9} {'prefetchx GB/s':>15} {'ratio':>6}")
+    copies = []
+    for mb in (4, 16, 64, 256):
+        c = measure_copy(mb)
+        print(f"{mb:>6} {c.raw_gbps:>9.1f} {c.prefetchx_gbps:>15.1f} {c.ratio:>6.2f}", flush=True)
+        copies.append(asdict(c))
+    print(f"\n{'arm':>12} {'epoch ms':>9} {'vs data-on-gpu':>15}")
+    steps = []
+    for s in measure_step():
+        print(f"{s.arm:>12} {s.epoch_s * 1e3:>9.1f} {s.vs_bound:>14.3f}x", flush=True)
+        steps.append(asdict(s))
+    return {"copy": copies, "step": steps}
+
+
+def _plot(path: str, synthetic: list[ArmResult], jpeg: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases: list[Any] = []
+    for r in synthetic:
+        if all(r.case is not c for c in cases):
+            cases.append(r.case)
+    arms = ["plain", "recipe", "prefetchx"]
+    fig, axes = plt.subplots(
+        1,
+        2 if jpeg else 1,
+        figsize=(12 if jpeg else 9, 4.5),
+        squeeze=False,
+        gridspec_kw={"width_ratios": [3, 1] if jpeg else [1]},
+    )
+    left = axes[0][0]
+    width = 0.8 / len(arms)
+    for k, arm in enumerate(arms):
+        points = [
+            (i, r.speedup)
+            for i, case in enumerate(cases)
+            for r in synthetic
+            if r.case is case and r.arm == arm
+        ]
+        left.bar([i + k * width for i, _ in points], [v for _, v in points], width, label=arm)
+    left.set_xticks(
+        [i + width for i in range(len(cases))],
+        [f"{c.kind}\n{c.data_ms:g}/{c.step_ms:g} ms\n{c.batches} batches" for c in cases],
+    )
+    left.axhline(1.0, color="grey", linewidth=0.8)
+    left.set_ylabel("speedup over plain DataLoader")
+    left.set_title("Synthetic loop (data/step cost per batch)")
+    left.legend()
+    if jpeg:
+        right = axes[0][1]
+        labels = [f"{r['torch_threads']} thr\n{r['num_workers']} wkr" for r in jpeg]
+        right.bar(range(len(jpeg)), [r["speedup"] for r in jpeg], color="C2")
+        right.set_xticks(range(len(jpeg)), labels)
+        right.axhline(1.0, color="grey", linewidth=0.8)
+        right.set_title("JPEG + conv net (CPU): prefetchx")
+    fig.suptitle(f"prefetchx {__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print(
+                "prefetchx bench: --plot needs matplotlib; install it with "
+                "pip install 'prefetchx[plot]'",
+                file=sys.stderr,
+            )
+            return 2
+    started = time.perf_counter()
+    meta = _meta(args)
+    print(
+        f"prefetchx {__version__}, torch {torch.__version__}, Python "
+        f"{platform.python_version()}, {os.cpu_count()} CPUs, commit {meta['commit']}"
+    )
+    synthetic = _synthetic(args)
+    jpeg = [] if args.quick else _jpeg()
+    cuda = _cuda() if torch.cuda.is_available() and not args.cpu_only else {}
+    print(f"\ndone in {time.perf_counter() - started:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"meta": meta, "results": as_rows(synthetic), "jpeg": jpeg, "cuda": cuda},
+                f,
+                indent=2,
+            )
+        print(f"wrote {args.json}")
+    if args.plot:
+        _plot(args.plot, synthetic, jpeg)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``prefetchx`` command."""
+    parser = argparse.ArgumentParser(prog="prefetchx", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="measure what prefetching saves on this machine")
+    bench.add_argument("--quick", action="store_true", help="the targets only, in seconds")
+    bench.add_argument("--max-prefetch", type=int, default=2, help="queue depth of the threads")
+    bench.add_argument("--cpu-only", action="store_true", help="skip the CUDA benchmarks")
+    bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    bench.add_argument("--plot", metavar="PATH", help="also draw the speedups as a PNG")
+    args = parser.parse_args(argv)
+    return _bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
