@@ -215,9 +215,6 @@ import torch
 from prefetchx import DataLoaderX, Prefetcher
 from prefetchx._device import CudaStreams
 from prefetchx._device_stage import Copying
-from prefetchx._device import CudaStreams
-from prefetchx._device_stage import Copying
-from tests.test_cuda import Images, MEAN, STD
 
 
 class NoFenceAfter(CudaStreams):
@@ -241,8 +238,11 @@ print("ok")
 
 
 def _sanitized(plant: bool) -> subprocess.CompletedProcess[str]:
-    code = f"PLANT = {plant}\n{_SANITIZED_LOOP}"
-    env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
+    # Imported here: the child loads this file by its path, and must import nothing from `tests`.
+    from tests.helpers import by_path, repo_env
+
+    code = f"PLANT = {plant}\n{by_path(__file__, 'Images', 'MEAN', 'STD')}\n{_SANITIZED_LOOP}"
+    env = repo_env(TORCH_CUDA_SANITIZER="1")
     return subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
     )

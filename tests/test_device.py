@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 import threading
 import warnings
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +14,7 @@ import torch
 
 from prefetchx import DataLoaderX, Prefetcher, ThreadStage
 from prefetchx._device import resolve_device
+from tests.helpers import REPO, repo_env
 
 
 def test_cpu() -> None:
@@ -329,15 +328,11 @@ print("ok")
 def test_a_process_that_built_loaders_can_still_fork_cuda_children() -> None:
     # Lightning's ddp_fork and notebooks fork after the loaders are built; Lightning sets
     # PYTORCH_NVML_BASED_CUDA_CHECK=1 so that torch.cuda.is_available() asks NVML.
-    repo = Path(__file__).resolve().parents[1]
-    env = {
-        **os.environ,
-        "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
-        "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = repo_env(PYTORCH_NVML_BASED_CUDA_CHECK="1")
+    env.pop("TORCH_CUDA_SANITIZER", None)  # about initialization, not races: no sanitizer
     done = subprocess.run(
         [sys.executable, "-c", _FORK_AFTER_BUILDING],
-        cwd=repo,
+        cwd=REPO,
         env=env,
         capture_output=True,
         text=True,
