@@ -202,6 +202,21 @@ def repo_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
+def run_python(
+    code: str, env: dict[str, str] | None = None, timeout: float = 120.0
+) -> subprocess.CompletedProcess[str]:
+    """``python -c code`` in the repository, its output captured as text; ``env`` defaults to
+    `repo_env()`."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=repo_env() if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def by_path(path: str, *names: str) -> str:
     """Python source that binds ``names`` from the module file at ``path``, loaded by its path.
 

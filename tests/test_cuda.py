@@ -6,7 +6,6 @@ import dataclasses
 import gc
 import os
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -239,13 +238,10 @@ print("ok")
 
 def _sanitized(plant: bool) -> subprocess.CompletedProcess[str]:
     # Imported here: the child loads this file by its path, and must import nothing from `tests`.
-    from tests.helpers import by_path, repo_env
+    from tests.helpers import by_path, repo_env, run_python
 
     code = f"PLANT = {plant}\n{by_path(__file__, 'Images', 'MEAN', 'STD')}\n{_SANITIZED_LOOP}"
-    env = repo_env(TORCH_CUDA_SANITIZER="1")
-    return subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
+    return run_python(code, repo_env(TORCH_CUDA_SANITIZER="1"), timeout=300)
 
 
 def test_cuda_sanitizer_finds_no_stream_race() -> None:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import threading
 import warnings
 from typing import Any
@@ -14,7 +12,7 @@ import torch
 
 from prefetchx import DataLoaderX, Prefetcher, ThreadStage
 from prefetchx._device import resolve_device
-from tests.helpers import REPO, repo_env
+from tests.helpers import repo_env, run_python
 
 
 def test_cpu() -> None:
@@ -330,13 +328,6 @@ def test_a_process_that_built_loaders_can_still_fork_cuda_children() -> None:
     # PYTORCH_NVML_BASED_CUDA_CHECK=1 so that torch.cuda.is_available() asks NVML.
     env = repo_env(PYTORCH_NVML_BASED_CUDA_CHECK="1")
     env.pop("TORCH_CUDA_SANITIZER", None)  # about initialization, not races: no sanitizer
-    done = subprocess.run(
-        [sys.executable, "-c", _FORK_AFTER_BUILDING],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    done = run_python(_FORK_AFTER_BUILDING, env, timeout=180)
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.strip().endswith("ok")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, by_path, repo_env
+from tests.helpers import REPO, by_path, repo_env, run_python
 
 SCRIPT = Path(REPO) / "benchmarks" / "gpu_run.sh"
 STEPS = ["cuda-tests", "cuda-tests-sanitized", "bench", "suite"]
@@ -56,21 +56,12 @@ def test_a_child_imports_the_gpu_tests_helpers_past_an_installed_tests_package(
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "__init__.py").write_text("")
     env = repo_env(PYTHONPATH=os.pathsep.join([str(tmp_path), REPO]))
-
-    def child(code: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-c", code],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-
-    shadowed = child("from tests.test_cuda import Images")  # the control: the way it was
+    shadowed = run_python("from tests.test_cuda import Images", env)  # the control: as it was
     assert shadowed.returncode != 0
     assert "No module named 'tests.test_cuda'" in shadowed.stderr
     test_cuda = os.path.join(REPO, "tests", "test_cuda.py")
-    loaded = child(f"{by_path(test_cuda, 'Images', 'MEAN')}\nprint(len(Images(5)), MEAN[0])")
+    loaded = run_python(
+        f"{by_path(test_cuda, 'Images', 'MEAN')}\nprint(len(Images(5)), MEAN[0])", env
+    )
     assert loaded.returncode == 0, loaded.stderr[-4000:]
     assert loaded.stdout.split() == ["5", "123.675"]

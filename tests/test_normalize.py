@@ -31,19 +31,18 @@ def _reference(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return ((x.to(work) - mean) / std).to(dtype)
 
 
-@pytest.mark.parametrize(
-    "dtype",
-    [
-        None,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.float64,
-        # Computed in float32 like float16: there is no float8 arithmetic, only casts.
-        torch.float8_e4m3fn,
-        torch.float8_e5m2,
-    ],
-)
+_OUTPUTS = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    # Computed in float32 like float16: there is no float8 arithmetic, only casts.
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
+
+
+@pytest.mark.parametrize("dtype", [None, *_OUTPUTS])
 def test_values_match_the_reference(dtype: torch.dtype | None) -> None:
     x = _images()
     out = Normalize(MEAN, STD, dtype)(x)
@@ -218,15 +217,6 @@ def test_mean_and_std_may_be_tensors() -> None:
 
 
 # --- fewer passes, the same bits (#13 defect 7) ----------------------------------------------
-
-_OUTPUTS = [
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-]
 
 
 def _old_formula(
