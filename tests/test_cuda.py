@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 import subprocess
 import threading
 import time
@@ -21,7 +20,6 @@ from prefetchx._device_stage import Copying
 pytestmark = pytest.mark.cuda
 
 MEAN, STD = (123.675, 116.28, 103.53), (58.395, 57.12, 57.375)
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Images(torch.utils.data.Dataset[tuple[torch.Tensor, int, str]]):
