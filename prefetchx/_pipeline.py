@@ -113,7 +113,7 @@ class Pipeline:
         assert streams is not None  # only built over a CUDA target
 
         def pin(tensor: torch.Tensor) -> torch.Tensor:
-            if tensor.device.type != "cpu" or streams.is_pinned(tensor):
+            if tensor.device.type != "cpu" or streams.is_local(tensor) or streams.is_pinned(tensor):
                 return tensor
             return streams.pin(tensor)
 

@@ -286,8 +286,8 @@ class FakeCuda:
         if stream is not self.side:
             self.wait(self.side, self.mark(stream))
 
-    def mark(self, stream: Stream) -> Event:
-        """An event recorded on ``stream`` after the work queued so far."""
+    def mark(self, stream: Stream, timing: bool = False) -> Event:
+        """An event recorded on ``stream`` after the work queued so far (every event times)."""
         with self._lock:
             return Event(stream, stream.queued, self.now, dict(stream._clock))
 
