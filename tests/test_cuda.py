@@ -399,3 +399,23 @@ def test_the_gpu_meter_sees_an_input_bound_gpu_and_a_compute_bound_one() -> None
         stats = loader.stats
         assert stats.gpu_idle.count >= 10
         assert stats.verdict().startswith(bound), str(stats)
+
+
+def test_a_producer_stall_does_not_hold_back_a_batch_already_copied() -> None:
+    # Batch 1 is copied while the caller has batch 0; the producer then stalls on batch 2. The
+    # caller's next() hands batch 1 over without waiting for batch 2.
+    class StallsAtTwo(Labelled):
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+            if i == 2:
+                time.sleep(1.0)
+            return super().__getitem__(i)
+
+    loader = DataLoaderX(StallsAtTwo(4), batch_size=1, device="cuda", max_prefetch=1)
+    it = iter(loader)
+    next(it)
+    time.sleep(0.3)  # batch 1 is made and copied; the thread is now inside batch 2's stall
+    start = time.perf_counter()
+    _, label = next(it)
+    assert time.perf_counter() - start < 0.5
+    assert label.tolist() == [1]
+    it.close()
