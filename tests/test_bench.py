@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from prefetchx.bench.cli import main
+from prefetchx.__main__ import main
 from prefetchx.bench.synthetic import Case, Work, machine_meta, measure
 
 
@@ -95,8 +95,54 @@ def test_plot_without_matplotlib_says_how_to_get_it(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
-    assert main(["bench", "--quick", "--plot", str(tmp_path / "x.png")]) == 2
+    with pytest.raises(SystemExit) as exit:
+        main(["bench", "--quick", "--plot", str(tmp_path / "x.png")])
+    assert exit.value.code == 2  # before the bench ran, not after
     err = capsys.readouterr().err
-    assert "--plot needs matplotlib" in err
+    assert "argument --plot:" in err
+    assert "needs matplotlib" in err
     assert "prefetchx[plot]" in err
     assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "shown"),
+    [
+        (["--max-prefetch", "-3"], "argument --max-prefetch: must be >= 1, got -3"),
+        (["--max-prefetch", "0"], "argument --max-prefetch: must be >= 1, got 0"),
+        (["--max-prefetch", "two"], "argument --max-prefetch: must be an integer >= 1, got 'two'"),
+        (["--max-prefetch", "1.5"], "argument --max-prefetch: must be an integer >= 1, got '1.5'"),
+        (["--json", "{tmp}/missing/b.json"], "argument --json: the directory of '{tmp}/missing/"),
+        (["--json", "{tmp}"], "argument --json: '{tmp}' is a directory"),
+        (["--plot", "{tmp}/missing/b.png"], "argument --plot: the directory of '{tmp}/missing/"),
+        (["--plot", "{tmp}/b.txt"], "argument --plot: '{tmp}/b.txt' names no image format"),
+        (["--quick=yes"], "argument --quick: ignored explicit argument 'yes'"),
+        (["--rounds", "3"], "unrecognized arguments: --rounds 3"),
+    ],
+)
+def test_a_bad_value_is_a_usage_error_naming_option_and_value(
+    argv: list[str], shown: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if any(arg.startswith("--plot") for arg in argv):
+        pytest.importorskip("matplotlib")
+    argv = [arg.replace("{tmp}", str(tmp_path)) for arg in argv]
+    with pytest.raises(SystemExit) as exit:
+        main(["bench", *argv])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: prefetchx"), err
+    assert shown.replace("{tmp}", str(tmp_path)) in err
+    assert not list(tmp_path.iterdir())  # nothing ran, nothing was written
+
+
+def test_a_bad_value_from_the_shell_prints_no_traceback() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "prefetchx", "bench", "--max-prefetch", "-3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "argument --max-prefetch: must be >= 1, got -3" in done.stderr
+    assert done.stdout == ""
