@@ -343,3 +343,12 @@ def test_readme_needs_no_link_relative_to_the_repository() -> None:
 def test_the_plot_on_the_site_is_the_recorded_one() -> None:
     recorded = ROOT / "benchmarks" / "results" / "bench-cpu-2core.png"
     assert (DOCS / "assets" / "bench-cpu-2core.png").read_bytes() == recorded.read_bytes()
+
+
+def test_readme_two_commands_stay_the_install_and_the_tests() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## The two commands\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"^```bash\n(.*?)\n```$", section, flags=re.MULTILINE | re.DOTALL)
+    assert blocks[:2] == ['pip install -e ".[dev]" && python -m prefetchx bench', "pytest"]
+    # The CPU build of torch is an option for machines without a GPU, not the default.
+    assert blocks[2:] == ["pip install torch --index-url https://download.pytorch.org/whl/cpu"]
