@@ -352,3 +352,20 @@ def test_readme_two_commands_stay_the_install_and_the_tests() -> None:
     assert blocks[:2] == ['pip install -e ".[dev]" && python -m prefetchx bench', "pytest"]
     # The CPU build of torch is an option for machines without a GPU, not the default.
     assert blocks[2:] == ["pip install torch --index-url https://download.pytorch.org/whl/cpu"]
+
+
+def test_the_site_carries_the_mermaid_that_material_would_fetch() -> None:
+    # The Design page's diagrams render offline only with this script: without it,
+    # mkdocs-material fetches mermaid from a CDN and, offline, shows the diagrams' source.
+    config = (ROOT / "mkdocs.yml").read_text()
+    vendored = DOCS / "assets" / "vendor" / "mermaid"
+    assert "extra_javascript:\n  - assets/vendor/mermaid/mermaid.min.js\n" in config
+    assert "MIT License" in (vendored / "LICENSE").read_text()
+    script = (vendored / "mermaid.min.js").read_text()
+    version = re.findall(r'=\{version:"(\d+\.\d+\.\d+)"\}', script)  # mermaid's getVersion()
+    assert len(version) == 1
+    assert config.count(version[0]) == 2  # the footer's notice and the comment name it
+    material = pytest.importorskip("material")
+    bundle = next((Path(material.__file__).parent / "templates").rglob("bundle.*.min.js"))
+    wanted = re.findall(r"unpkg\.com/mermaid@(\d+)/", bundle.read_text())
+    assert wanted == [version[0].split(".")[0]], "material now loads another major version"
