@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -146,3 +148,50 @@ def test_a_bad_value_from_the_shell_prints_no_traceback() -> None:
     assert "Traceback" not in done.stderr
     assert "argument --max-prefetch: must be >= 1, got -3" in done.stderr
     assert done.stdout == ""
+
+
+ROOT = Path(__file__).resolve().parent.parent
+RECORDED = ROOT / "benchmarks" / "results" / "bench-cpu-2core.json"
+
+
+def test_the_plot_of_the_recorded_run_has_no_text_overlapping() -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.text import Text
+
+    from prefetchx.bench import plot
+
+    run = json.loads(RECORDED.read_text())
+    fig = plot.figure(run)
+    FigureCanvasAgg(fig).draw()
+    assert run["meta"]["commit"] in fig.get_suptitle()
+    (suptitle,) = [t for t in fig.findobj(Text) if t.get_text() == fig.get_suptitle()]
+    heads = [suptitle.get_window_extent()] + [ax.title.get_window_extent() for ax in fig.axes]
+    for i, head in enumerate(heads):
+        assert not any(head.overlaps(other) for other in heads[i + 1 :]), "titles overlap"
+    texts = [suptitle]
+    for ax, cases in zip(fig.axes, (6, 4), strict=True):
+        labels = [t for t in ax.get_xticklabels() if t.get_text()]
+        assert len(labels) == cases
+        boxes = [t.get_window_extent() for t in labels]
+        for left, right in itertools.pairwise(boxes):
+            assert left.x1 < right.x0, f"{ax.get_title()!r}: tick labels overlap"
+        texts += [ax.title, ax.xaxis.label, ax.yaxis.label, *labels]
+    for text in texts:
+        box = text.get_window_extent()
+        assert fig.bbox.contains(box.x0, box.y0), text.get_text()  # not cut off
+        assert fig.bbox.contains(box.x1, box.y1), text.get_text()
+
+
+def test_benchmarks_plot_redraws_a_recorded_run(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    done = subprocess.run(
+        [sys.executable, "benchmarks/plot.py", str(RECORDED), str(tmp_path / "a.png")],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

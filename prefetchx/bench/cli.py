@@ -103,55 +103,6 @@ def _cuda() -> dict[str, Any]:
     return {"copy": copies, "step": steps}
 
 
-def _plot(path: str, synthetic: list[ArmResult], jpeg: list[dict[str, Any]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cases: list[Any] = []
-    for r in synthetic:
-        if all(r.case is not c for c in cases):
-            cases.append(r.case)
-    arms = ["plain", "recipe", "prefetchx"]
-    fig, axes = plt.subplots(
-        1,
-        2 if jpeg else 1,
-        figsize=(12 if jpeg else 9, 4.5),
-        squeeze=False,
-        gridspec_kw={"width_ratios": [3, 1] if jpeg else [1]},
-    )
-    left = axes[0][0]
-    width = 0.8 / len(arms)
-    for k, arm in enumerate(arms):
-        points = [
-            (i, r.speedup)
-            for i, case in enumerate(cases)
-            for r in synthetic
-            if r.case is case and r.arm == arm
-        ]
-        left.bar([i + k * width for i, _ in points], [v for _, v in points], width, label=arm)
-    left.set_xticks(
-        [i + width for i in range(len(cases))],
-        [f"{c.kind}\n{c.data_ms:g}/{c.step_ms:g} ms\n{c.batches} batches" for c in cases],
-    )
-    left.axhline(1.0, color="grey", linewidth=0.8)
-    left.set_ylabel("speedup over plain DataLoader")
-    left.set_title("Synthetic loop (data/step cost per batch)")
-    left.legend()
-    if jpeg:
-        right = axes[0][1]
-        labels = [f"{r['torch_threads']} thr\n{r['num_workers']} wkr" for r in jpeg]
-        right.bar(range(len(jpeg)), [r["speedup"] for r in jpeg], color="C2")
-        right.set_xticks(range(len(jpeg)), labels)
-        right.axhline(1.0, color="grey", linewidth=0.8)
-        right.set_title("JPEG + conv net (CPU): prefetchx")
-    fig.suptitle(f"prefetchx {__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def _bench(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     meta = _meta(args)
@@ -163,16 +114,15 @@ def _bench(args: argparse.Namespace) -> int:
     jpeg = [] if args.quick else _jpeg()
     cuda = _cuda() if torch.cuda.is_available() and not args.cpu_only else {}
     print(f"\ndone in {time.perf_counter() - started:.0f} s")
+    record = {"meta": meta, "results": as_rows(synthetic), "jpeg": jpeg, "cuda": cuda}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(
-                {"meta": meta, "results": as_rows(synthetic), "jpeg": jpeg, "cuda": cuda},
-                f,
-                indent=2,
-            )
+            json.dump(record, f, indent=2)
         print(f"wrote {args.json}")
     if args.plot:
-        _plot(args.plot, synthetic, jpeg)
+        from prefetchx.bench import plot
+
+        plot.save(record, args.plot)
         print(f"wrote {args.plot}")
     return 0
 
