@@ -118,6 +118,9 @@ class EpochStats:
       time, so it includes the thread's waits for the GIL.
     * ``occupancy``: batches waiting in the queue when the loop asked the thread for one.
 
+    Each of the four has ``total``, ``count``, ``mean`` and ``percentile(q)`` (0-100, over the
+    most recent 4096 samples); durations are in seconds, ``nan`` before any sample.
+
     Examples:
         >>> from prefetchx import DataLoaderX
         >>> loader = DataLoaderX(range(8), batch_size=2)
@@ -137,7 +140,7 @@ class EpochStats:
         """The loop's wait for the epoch's first batch or error; ``nan`` before it."""
 
     def fold(self) -> None:
-        """Fold every series' pending samples (see `Series`)."""
+        """Bring every total up to date now; reading one does it by itself."""
         for series in (self.wait, self.step, self.produce, self.occupancy):
             series.fold()
 
