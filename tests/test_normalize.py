@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -210,3 +211,15 @@ def test_constants_at_the_edge_of_float32_are_taken(dtype: torch.dtype | None) -
 def test_mean_and_std_may_be_tensors() -> None:
     out = Normalize(torch.tensor(MEAN), torch.tensor(STD))(_images())
     torch.testing.assert_close(out, _reference(_images(), torch.float32), rtol=0, atol=0)
+
+
+def test_a_negative_std_warns_naming_std_and_the_value() -> None:
+    from prefetchx import DataLoaderX
+
+    with pytest.warns(UserWarning, match=r"`std` is negative on channel 1, -57\.12") as caught:
+        DataLoaderX(range(4), mean=MEAN, std=(58.395, -57.12, -57.375))
+    assert len(caught) == 1
+    assert caught[0].filename == __file__  # the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Normalize(MEAN, STD)
