@@ -16,6 +16,9 @@ import pytest
 from prefetchx.__main__ import main
 from prefetchx.bench.synthetic import Case, Work, machine_meta, measure
 
+ROOT = Path(__file__).resolve().parent.parent
+RECORDED = ROOT / "benchmarks" / "results" / "bench-cpu-2core.json"
+
 
 def test_measure_shows_the_thread_overlapping_sleeps() -> None:
     results = {r.arm: r for r in measure(Case("sleep", 10, 10, 12, rounds=3))}
@@ -140,6 +143,7 @@ def test_a_bad_value_is_a_usage_error_naming_option_and_value(
 def test_a_bad_value_from_the_shell_prints_no_traceback() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "prefetchx", "bench", "--max-prefetch", "-3"],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=60,
@@ -148,10 +152,6 @@ def test_a_bad_value_from_the_shell_prints_no_traceback() -> None:
     assert "Traceback" not in done.stderr
     assert "argument --max-prefetch: must be >= 1, got -3" in done.stderr
     assert done.stdout == ""
-
-
-ROOT = Path(__file__).resolve().parent.parent
-RECORDED = ROOT / "benchmarks" / "results" / "bench-cpu-2core.json"
 
 
 def test_the_plot_of_the_recorded_run_has_no_text_overlapping() -> None:
