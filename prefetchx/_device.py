@@ -90,15 +90,34 @@ def set_thread_device(device: torch.device) -> None:
         torch.accelerator.set_device_index(device.index)
 
 
-class CudaStreams:
-    """The CUDA stream operations the device stage uses, on one device.
+class Copies:
+    """Blocking copies to a device that has no side streams here (MPS, other accelerators).
 
-    The side stream is created here, once, with the device named explicitly; a loader keeps one
-    `CudaStreams` per device for its whole life. Tests substitute an object with the same methods.
+    The device stage's whole use of a device goes through this object or `CudaStreams`, so
+    tests can substitute a model of the device (``tests/fakecuda.py``).
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+
+    def is_local(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` already lives on the device (it needs no copy)."""
+        return tensor.device == self.device
+
+    def copy(self, tensor: torch.Tensor, non_blocking: bool) -> torch.Tensor:
+        """``tensor`` on the device, queued on the current stream."""
+        return tensor.to(self.device, non_blocking=non_blocking)
+
+
+class CudaStreams(Copies):
+    """The CUDA operations the device stage uses, on one device.
+
+    The side stream is created here, once, with the device named explicitly; a loader keeps one
+    `CudaStreams` per device for its whole life.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
         self.side = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]  # untyped in torch
 
     def consumer(self) -> Any:
@@ -113,16 +132,57 @@ class CudaStreams:
         """Queue, on the side stream, a wait for all work queued so far on ``stream``."""
         self.side.wait_stream(stream)
 
-    def mark_side(self) -> Any:
-        """An event recorded on the side stream after the work queued so far."""
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch
-        event.record(self.side)
+    def mark(self, stream: Any, timing: bool = False) -> Any:
+        """An event recorded on ``stream`` after the work queued so far.
+
+        ``timing`` events can be measured against each other with `elapsed_s`.
+        """
+        event = torch.cuda.Event(enable_timing=timing)  # type: ignore[no-untyped-call]  # untyped in torch
+        event.record(stream)
         return event
 
     def wait(self, stream: Any, event: Any) -> None:
         """Queue, on ``stream``, a wait for ``event``."""
         stream.wait_event(event)
 
-    def hand_over(self, tensor: torch.Tensor, stream: Any) -> None:
-        """Keep ``tensor``'s memory from reuse until ``stream``'s work queued so far is done."""
+    def protect(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Keep ``tensor``'s memory from reuse until ``stream``'s work queued so far is done.
+
+        A dense tensor only: ``record_stream`` reads the storage, which a sparse tensor lacks
+        (see `dense_parts`).
+        """
         tensor.record_stream(stream)
+
+    def done(self, event: Any) -> bool:
+        """Whether the work before ``event`` has completed; never waits."""
+        return bool(event.query())
+
+    def elapsed_s(self, start: Any, end: Any) -> float:
+        """Seconds between two timing events, once ``end`` is `done`."""
+        return float(start.elapsed_time(end)) / 1e3
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` in page-locked memory from torch's caching host allocator.
+
+        That allocator records every asynchronous copy from its blocks and reuses a block only
+        once the copies from it are done.
+        """
+        return tensor.pin_memory()
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether a CPU ``tensor`` is page-locked already."""
+        return tensor.is_pinned()
+
+
+def dense_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The dense tensors that hold ``tensor``'s memory: itself, or a sparse tensor's parts."""
+    layout = tensor.layout
+    if layout == torch.strided:
+        return (tensor,)
+    if layout == torch.sparse_coo:
+        return tensor._indices(), tensor._values()
+    if layout in (torch.sparse_csr, torch.sparse_bsr):
+        return tensor.crow_indices(), tensor.col_indices(), tensor.values()
+    if layout in (torch.sparse_csc, torch.sparse_bsc):
+        return tensor.ccol_indices(), tensor.row_indices(), tensor.values()
+    return (tensor,)  # other layouts (jagged): record_stream handles them or says why

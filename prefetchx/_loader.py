@@ -61,7 +61,8 @@ class DataLoaderX(DataLoader[T_co]):
     for a batch reaches the caller with its type and traceback, and the next ``next()`` goes on
     with the batch after it. An iterator has ``len()``; ``close()`` on it, or leaving a ``with``
     block, stops its thread (waiting for it, bounded); a dropped iterator, an early ``break`` or
-    an exception in the loop asks the thread to stop and never waits. See
+    an exception in the loop asks the thread to stop and never waits for it (the DataLoader
+    iterator, with its workers, is released at once unless the thread is inside it). See
     ``prefetchx._iterator`` for the whole lifecycle.
 
     Where prefetching cannot be exact: a dataset that draws from the global RNG (torch's, numpy's
@@ -93,8 +94,9 @@ class DataLoaderX(DataLoader[T_co]):
             key of a dict batch, a field name; a bare tensor batch is the input.
         device_prefetch: Batches in flight on the device besides the caller's; each costs its
             size in device memory. ``0`` copies on demand.
-        non_blocking: Asynchronous copies (CUDA, from pinned memory). ``pin_memory`` defaults
-            to ``True`` when the target is CUDA; an explicit ``False`` warns once.
+        non_blocking: Asynchronous copies (CUDA, from pinned memory). With a CUDA target the
+            thread stage pins every CPU tensor leaf not pinned yet, so ``pin_memory`` keeps
+            DataLoader's default; an explicit ``pin_memory=False`` turns that off and warns.
         **kwargs: Keyword `DataLoader` arguments.
 
     All arguments after ``*args`` are keyword-only and stored as same-named attributes.
@@ -150,8 +152,8 @@ class DataLoaderX(DataLoader[T_co]):
         self._latest: Epoch | None = None
         self._resume: Resume | IterableResume | None = None
         self._live: weakref.WeakSet[PrefetchIterator[Any]] = weakref.WeakSet()
-        if self._pipeline.target.type == "cuda":
-            kwargs = _pin_by_default(dataset, args, kwargs)
+        if self._pipeline.target.type == "cuda" and _refuses_pinning(dataset, args, kwargs):
+            self._pipeline.pin_host = False
         super().__init__(dataset, *args, **kwargs)
 
     def __iter__(self) -> PrefetchIterator[Any]:  # type: ignore[override]  # DataLoader names its private iterator class
@@ -422,21 +424,20 @@ def _signature() -> inspect.Signature:
     return base.replace(parameters=[*base.parameters.values(), *ours])
 
 
-def _pin_by_default(
-    dataset: object, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> dict[str, Any]:
-    """Turn ``pin_memory`` on unless the caller chose; warn once if they turned it off."""
+def _refuses_pinning(dataset: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the caller passed ``pin_memory=False``; if so, say what it costs, once."""
     signature = inspect.signature(DataLoader.__init__)
     given = signature.bind_partial(None, dataset, *args, **kwargs).arguments
-    if "pin_memory" not in given:
-        return {**kwargs, "pin_memory": True}
-    if not given["pin_memory"]:
-        warnings.warn(
-            "prefetchx: pin_memory=False with a CUDA target: host-to-device copies from pageable "
-            "memory are synchronous, so the device stage cannot overlap them with the step.",
-            stacklevel=3,
-        )
-    return kwargs
+    if "pin_memory" not in given or given["pin_memory"]:
+        return False
+    warnings.warn(
+        "prefetchx: pin_memory=False with a CUDA target: host batches are not pinned, so every "
+        "copy to the device is synchronous. The copy cannot overlap the step, and the side "
+        "stream first waits for the caller's queued work, so each batch waits for the GPU to "
+        "finish the steps queued before it. Leave pin_memory unset: the thread stage pins.",
+        stacklevel=3,
+    )
+    return True
 
 
 # DataLoader's arguments differ between torch versions; forwarding *args/**kwargs keeps every one

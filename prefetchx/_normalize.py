@@ -102,7 +102,7 @@ class Normalize:
                 )
             assert self.dtype is not None  # set with mean in __init__
             work = _work_dtype(self.dtype)
-            mean, std = self._on(x, work)
+            mean, std = self._on(x.device, work, x.dim())
             # Out of place first: x may be the caller's tensor (or a view of the dataset).
             x = (x.to(work) - mean).div_(std)
         if self.dtype is not None:
@@ -111,17 +111,21 @@ class Normalize:
             x = x.contiguous(memory_format=torch.channels_last)
         return x
 
-    def _on(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """``mean`` and ``std`` shaped ``1, C, 1, ...`` for ``x``, made once per device."""
-        key = (x.device, dtype, x.dim())
+    def prepare(self, device: torch.device) -> None:
+        """Make the constants for inputs on ``device`` now, before any fence they would wait on."""
+        if self.mean is not None and self.dtype is not None:
+            self._on(device, _work_dtype(self.dtype), 4)
+
+    def _on(self, device: torch.device, dtype: torch.dtype, dim: int) -> tuple[torch.Tensor, ...]:
+        """``mean`` and ``std`` shaped ``1, C, 1, ...`` for a ``dim``-D input, made once."""
+        key = (device, dtype, dim)
         constants = self._constants.get(key)
         if constants is None:
-            shape = (1, -1) + (1,) * (x.dim() - 2)
+            shape = (1, -1) + (1,) * (dim - 2)
             assert self.mean is not None  # only called with mean and std
             assert self.std is not None
             constants = tuple(
-                _constant(values, dtype).view(shape).to(x.device)
-                for values in (self.mean, self.std)
+                _constant(values, dtype).view(shape).to(device) for values in (self.mean, self.std)
             )
             self._constants[key] = constants
         return constants

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from prefetchx._batch import map_input
+from prefetchx._batch import map_input, map_tensors
 from prefetchx._checks import check_bool, check_input_key, check_int
-from prefetchx._device import CudaStreams, resolve_device
+from prefetchx._device import Copies, CudaStreams, resolve_device
 from prefetchx._device_stage import DeviceStage
 from prefetchx._normalize import Normalize
 from prefetchx._stats import EpochStats
@@ -44,6 +44,9 @@ class Pipeline:
         self.non_blocking = check_bool("non_blocking", non_blocking)
         self.normalize = Normalize(mean, std, dtype, channels_last)
         self.target = resolve_device(device)
+        self.pin_host = True
+        """Pin host leaves in the thread stage before their copy to a CUDA device (see
+        `_pin`); a loader given ``pin_memory=False`` turns it off."""
         self._streams: CudaStreams | None = None
 
     def build(self, source: Iterator[Any], stats: EpochStats, *, reapable: bool = False) -> Stage:
@@ -55,6 +58,9 @@ class Pipeline:
             if self.normalize.active:  # in the thread, so it overlaps the caller's step
                 source = map(self._normalize_input, source)
             return ThreadStage(source, self.max_prefetch, stats=stats, reapable=reapable)
+        streams = self._side_streams()
+        if streams is not None and self.pin_host:
+            source = map(self._pin, source)  # in the thread: off the caller's
         # The device stage takes only batches already waiting: a parked thread would leave it
         # nothing to copy ahead.
         thread = ThreadStage(
@@ -68,7 +74,8 @@ class Pipeline:
         return DeviceStage(
             thread,
             self.target,
-            streams=self._side_streams(),
+            copies=streams if streams is not None else Copies(self.target),
+            streams=streams,
             normalize=self.normalize,
             input_key=self.input_key,
             device_prefetch=self.device_prefetch,
@@ -77,6 +84,24 @@ class Pipeline:
 
     def _normalize_input(self, batch: Any) -> Any:
         return map_input(batch, self.input_key, self.normalize)
+
+    def _pin(self, batch: Any) -> Any:
+        """``batch`` with every CPU tensor leaf in page-locked memory.
+
+        A copy from pageable memory cannot be asynchronous: the driver stages it, and behind the
+        side stream's fence the host may wait for the caller's queued work. DataLoader's own
+        ``pin_memory`` skips some batches (dataclasses) and needs CPU tensors; this pins every
+        CPU leaf that is not pinned yet, whatever the batch's structure, and leaves the rest.
+        """
+        streams = self._streams
+        assert streams is not None  # only built over a CUDA target
+
+        def pin(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.device.type != "cpu" or streams.is_pinned(tensor):
+                return tensor
+            return streams.pin(tensor)
+
+        return map_tensors(batch, pin)
 
     def _side_streams(self) -> CudaStreams | None:
         """The target's side stream, made once; ``None`` where copies are blocking."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+from collections.abc import Callable
 from typing import Any
 
 WINDOW = 4096
@@ -27,7 +28,7 @@ class Series:
     appending meanwhile.
     """
 
-    __slots__ = ("_count", "_recent", "_total", "add", "pending")
+    __slots__ = ("_count", "_recent", "_total", "add", "pending", "refresh")
 
     def __init__(self) -> None:
         self._total = 0.0
@@ -35,9 +36,13 @@ class Series:
         self._recent: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self.pending: list[float] = []
         self.add = self.pending.append
+        self.refresh: Callable[[], None] | None = None
+        """Called before a fold, for a series whose samples become readable late (GPU events)."""
 
     def fold(self) -> None:
         """Move the pending samples into the totals and the window."""
+        if self.refresh is not None:
+            self.refresh()
         n = len(self.pending)
         if n:
             chunk = self.pending[:n]
@@ -117,9 +122,14 @@ class EpochStats:
       first of the epoch, or while the thread was parked) counts in ``wait`` only. It is wall
       time, so it includes the thread's waits for the GIL.
     * ``occupancy``: batches waiting in the queue when the loop asked the thread for one.
+    * ``gpu_idle``: with a CUDA device stage, the time the caller's stream sat idle waiting for
+      each batch, measured on the GPU with events (the first batch's in ``gpu_warmup_s``). The
+      loop may wait in ``next()`` while the GPU is still busy with the steps it queued; this is
+      what data loading costs the GPU. Read from completed events only, so the last batches
+      may be missing while the GPU is still running their steps.
 
-    Each of the four has ``total``, ``count``, ``mean`` and ``percentile(q)`` (0-100, over the
-    most recent 4096 samples); durations are in seconds, ``nan`` before any sample.
+    Each of these series has ``total``, ``count``, ``mean`` and ``percentile(q)`` (0-100, over
+    the most recent 4096 samples); durations are in seconds, ``nan`` before any sample.
 
     Examples:
         >>> from prefetchx import DataLoaderX
@@ -138,10 +148,14 @@ class EpochStats:
         """Errors raised to the loop in place of a batch."""
         self.warmup_s = math.nan
         """The loop's wait for the epoch's first batch or error; ``nan`` before it."""
+        self.gpu_idle = Series()
+        self.gpu_warmup_s = math.nan
+        """The caller's stream's idle time before the epoch's first batch; ``nan`` without
+        a CUDA device stage or before its events complete."""
 
     def fold(self) -> None:
         """Bring every total up to date now; reading one does it by itself."""
-        for series in (self.wait, self.step, self.produce, self.occupancy):
+        for series in (self.wait, self.step, self.produce, self.occupancy, self.gpu_idle):
             series.fold()
 
     @property
@@ -164,11 +178,39 @@ class EpochStats:
         busy = waited + self.step.total
         return max(0.0, waited) / busy if busy > 0 else math.nan
 
+    @property
+    def gpu_idle_fraction(self) -> float:
+        """Share of the loop's time the GPU sat idle for data (CUDA device stage), the warm-up
+        left out; ``nan`` without GPU samples.
+
+        The mean idle time per batch over the loop's mean time per batch, so batches whose
+        events have not completed yet do not count.
+        """
+        idle = self.gpu_idle.mean
+        loops = self.wait.count - 1
+        if math.isnan(idle) or loops <= 0:
+            return math.nan
+        busy = (self.wait.total - self.warmup_s + self.step.total) / loops
+        return min(1.0, idle / busy) if busy > 0 else math.nan
+
     def verdict(self) -> str:
-        """One line that says whether data loading holds the loop back."""
-        fraction = self.input_bound_fraction
+        """One line that says whether data loading holds the loop back.
+
+        With GPU samples, it goes by the GPU's idle time rather than the loop's waits: a loop
+        that runs ahead of the GPU may wait in ``next()`` while the GPU is still busy.
+        """
         if self.wait.count == 0:
             return "no batches yet"
+        gpu = self.gpu_idle_fraction
+        if not math.isnan(gpu):
+            if gpu > INPUT_BOUND_FRACTION:
+                return (
+                    f"input-bound: the GPU waited for data {gpu:.0%} of the time; more "
+                    "workers, a deeper max_prefetch or device_prefetch, or cheaper transforms "
+                    "would help"
+                )
+            return f"compute-bound: the GPU waited for data {gpu:.1%} of the time"
+        fraction = self.input_bound_fraction
         if math.isnan(fraction):
             return f"warming up: the first batch took {self.warmup_s * 1e3:.1f} ms"
         if fraction > INPUT_BOUND_FRACTION:
@@ -194,16 +236,28 @@ class EpochStats:
             out[f"{name}_p95_s"] = series.percentile(95)
         out["queue_occupancy_mean"] = self.occupancy.mean
         out["input_bound_fraction"] = self.input_bound_fraction
+        out["gpu_idle_total_s"] = self.gpu_idle.total
+        out["gpu_idle_mean_s"] = self.gpu_idle.mean
+        out["gpu_idle_p95_s"] = self.gpu_idle.percentile(95)
+        out["gpu_idle_fraction"] = self.gpu_idle_fraction
+        out["gpu_warmup_s"] = self.gpu_warmup_s
         return out
 
     def __str__(self) -> str:
         ms = 1e3
         errors = f" and {self.errors} errors" if self.errors else ""
+        gpu = ""
+        if self.gpu_idle.count:
+            gpu = (
+                f"GPU idle for data {self.gpu_idle.total:.3f} s (mean "
+                f"{self.gpu_idle.mean * ms:.2f} ms, p95 {self.gpu_idle.percentile(95) * ms:.2f} "
+                "ms). "
+            )
         return (
             f"{self.batches} batches{errors}; first batch after {self.warmup_s * ms:.2f} ms; "
             f"waited {self.wait.total:.3f} s in all (mean {self.wait.mean * ms:.2f} ms, p50 "
             f"{self.wait.percentile(50) * ms:.2f} ms, p95 {self.wait.percentile(95) * ms:.2f} "
             f"ms); step mean {self.step.mean * ms:.2f} ms; produce mean "
             f"{self.produce.mean * ms:.2f} ms; queue {self.occupancy.mean:.1f} batches on "
-            f"average. {self.verdict()}"
+            f"average. {gpu}{self.verdict()}"
         )

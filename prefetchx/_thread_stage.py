@@ -126,6 +126,8 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
         """Whether the thread is inside a call of the source now."""
         self.reapable = reapable
         """Whether a call of the source may be abandoned once stopped (see `Reaper`)."""
+        self.source_lock = threading.Lock()
+        """Held by the thread while it calls the source; whoever holds it may release the source."""
         self._device = device
         self._stats = stats
         self._thread_name = name
@@ -148,9 +150,9 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
             self._produce()
 
     def _produce(self) -> None:
-        source: Iterator[Any] | None = self.generator
-        self.generator = None  # the thread's frame holds the only reference from here on
-        stop, q, produce = self.stop_event, self.queue, self._stats.produce
+        # The source stays in self.generator, read under source_lock for each call, so that a
+        # stop while the thread is not inside it can release it at once (see `_let_go`).
+        stop, q, produce, lock = self.stop_event, self.queue, self._stats.produce, self.source_lock
         held = capture_in_this_thread()
         try:
             if self._device is not None:
@@ -162,23 +164,28 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
                     if not self._park():
                         return
                     continue
-                start = time.perf_counter()
                 value: Any
-                self.calls += 1
-                self.in_source = True
-                try:
-                    value = next(source)  # type: ignore[arg-type]  # None only after the loop
-                except StopIteration:
-                    value = Signal.END
-                except BaseException as exc:
-                    if stop.is_set():
-                        discard(exc)
-                        return  # nobody will take it (a Reaped, or a failure after the stop)
-                    value = Failure(exc)
-                else:
-                    produce.add(time.perf_counter() - start)
-                finally:
-                    self.in_source = False
+                with lock:
+                    source = self.generator
+                    if source is None:
+                        return  # released by a stop
+                    start = time.perf_counter()
+                    self.calls += 1
+                    self.in_source = True
+                    try:
+                        value = next(source)
+                    except StopIteration:
+                        value = Signal.END
+                    except BaseException as exc:
+                        if stop.is_set():
+                            discard(exc)
+                            return  # nobody will take it (a Reaped, or a failure after the stop)
+                        value = Failure(exc)
+                    else:
+                        produce.add(time.perf_counter() - start)
+                    finally:
+                        self.in_source = False
+                        source = None
                 if held:
                     value = Warned(value, held[:])
                     held.clear()
@@ -191,11 +198,28 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
         finally:
             # Released here, so DataLoader workers shut down as soon as the producer is done,
             # even while a consumer still holds an exception whose traceback shows this frame.
-            source = None
+            with lock:
+                self.generator = None
             if stop.is_set():
                 # A put that raced with the stop would keep its batch, or an exception whose
                 # traceback holds the source, for as long as this thread object lives.
-                drain(q)
+                drain(self.queue)
+
+    def _let_go(self) -> None:
+        """Release the source here and now, unless the thread is inside a call of it.
+
+        A DataLoader iterator dropped by its caller shuts its workers down before ``del``
+        returns; released here, the last reference to it goes with the consumer's, in the
+        consumer's thread, and so do the workers. A thread inside a call releases it when the
+        call returns.
+        """
+        if not self.source_lock.acquire(blocking=False):
+            return
+        try:
+            source, self.generator = self.generator, None
+        finally:
+            self.source_lock.release()
+        del source
 
     def _park(self) -> bool:
         """Hand the source to the consumer and wait until it is handed back or stop is set."""
@@ -213,15 +237,17 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
         self.resume_event.set()
 
     def stop(self) -> None:
-        """Ask the thread to stop and free the values it queued; returns at once, never waits.
+        """Ask the thread to stop and free the values it queued; never waits for the thread.
 
         The thread ends as soon as its current call of the source returns. This runs from a
         finalizer too (a dropped iterator, interpreter exit), where waiting would hold up an
-        exception or Ctrl-C raised in the caller's loop.
+        exception or Ctrl-C raised in the caller's loop. A source the thread is not inside is
+        released here (see `_let_go`).
         """
         self.stop_event.set()
         self.resume_event.set()  # wake a parked thread so it sees the stop
         drain(self.queue)
+        self._let_go()
         if self.is_alive():
             _stopping.add(self)
 
@@ -267,9 +293,11 @@ class ThreadStage(Iterator[T], Generic[T]):
     the source raises in the thread are shown in the caller's thread with the item they came
     with.
 
-    Leaving the stage never waits: dropping it (garbage collection, an early ``break``) or an
-    interrupt asks the thread to stop and returns at once; the thread ends when its current call
-    of the source returns, and releases the source then. `close` waits for that, bounded. A
+    Leaving the stage never waits for the thread: dropping it (garbage collection, an early
+    ``break``) or an interrupt asks the thread to stop; a source the thread is not inside is
+    released then and there, as dropping it without the stage would; otherwise the thread ends
+    when its current call of the source returns, and releases the source then. `close` waits
+    for that, bounded. A
     Ctrl-C while waiting for an item is raised at once and loses nothing: the item comes with the
     next ``next()``.
 

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
 import torch
 
-from prefetchx import DataLoaderX
+from prefetchx import DataLoaderX, Prefetcher
+from prefetchx._device import CudaStreams
+from prefetchx._device_stage import Copying
 
 pytestmark = pytest.mark.cuda
 
@@ -77,12 +82,95 @@ def test_without_normalization_only_the_device_changes() -> None:
         assert torch.equal(gy.cpu(), cy)
 
 
-def test_none_means_the_current_cuda_device_with_pinned_memory() -> None:
+def test_none_means_the_current_cuda_device() -> None:
     loader = DataLoaderX(Images(), batch_size=8)
-    assert loader.pin_memory
+    assert not loader.pin_memory  # DataLoader's default: the thread stage pins
     x, _, _ = next(iter(loader))
     assert x.device == torch.device("cuda", torch.cuda.current_device())
     loader.close()
+
+
+class Recorded(CudaStreams):
+    """The real stream operations, noting whether each host tensor copied was pinned."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.pinned: list[bool] = []
+        self.threads: set[str] = set()
+
+    def copy(self, tensor: torch.Tensor, non_blocking: bool) -> torch.Tensor:
+        self.pinned.append(tensor.is_pinned())
+        return super().copy(tensor, non_blocking)
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.threads.add(threading.current_thread().name)
+        return super().pin(tensor)
+
+
+@dataclasses.dataclass
+class Pair:
+    image: torch.Tensor
+    label: torch.Tensor
+
+
+def _pairs(batch: list[tuple[torch.Tensor, int, str]]) -> Pair:
+    return Pair(torch.stack([b[0] for b in batch]), torch.tensor([b[1] for b in batch]))
+
+
+@pytest.mark.parametrize("collate", ["default", "dataclass"])
+def test_every_host_leaf_is_pinned_in_the_thread_before_its_copy(collate: str) -> None:
+    # DataLoader's own pinning returns dataclass batches unpinned.
+    kwargs: dict[str, Any] = {} if collate == "default" else {"collate_fn": _pairs}
+    loader = DataLoaderX(Images(), batch_size=8, device="cuda", input_key=0, **kwargs)
+    streams = Recorded(torch.device("cuda", torch.cuda.current_device()))
+    loader._pipeline._streams = streams
+    assert len(list(loader)) == 3
+    assert streams.pinned
+    assert all(streams.pinned)
+    assert streams.threads <= {"prefetchx-thread", threading.main_thread().name}
+
+
+def test_pin_memory_false_copies_from_pageable_memory() -> None:
+    with pytest.warns(UserWarning, match="pin_memory=False"):
+        loader = DataLoaderX(Images(), batch_size=8, device="cuda", pin_memory=False)
+    streams = Recorded(torch.device("cuda", torch.cuda.current_device()))
+    loader._pipeline._streams = streams
+    list(loader)
+    assert streams.pinned
+    assert not any(streams.pinned)
+
+
+class OnDevice(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
+    """A dataset that returns CUDA tensors, which DataLoader accepts with num_workers=0."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.full((3, 4, 4), i, dtype=torch.uint8, device="cuda"), i
+
+
+def test_a_dataset_of_cuda_tensors_works_as_with_dataloader() -> None:
+    expected = [(x.float().cpu(), y) for x, y in torch.utils.data.DataLoader(OnDevice(), 4)]
+    got = [
+        (x.cpu(), y.cpu())
+        for x, y in DataLoaderX(OnDevice(), 4, device="cuda", mean=(0, 0, 0), std=(1, 1, 1))
+    ]
+    assert len(got) == len(expected)
+    for (gx, gy), (ex, ey) in zip(got, expected, strict=True):
+        assert torch.equal(gx, ex)
+        assert torch.equal(gy, ey)
+
+
+def test_a_sparse_leaf_reaches_the_device() -> None:
+    dense = torch.tensor([[0.0, 5.0], [6.0, 0.0]])
+
+    def collate(batch: list[tuple[torch.Tensor, int, str]]) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.stack([b[0] for b in batch]), dense.to_sparse()
+
+    for _, sparse in DataLoaderX(Images(), batch_size=8, device="cuda", collate_fn=collate):
+        assert sparse.device.type == "cuda"
+        assert torch.equal(sparse.to_dense().cpu(), dense)
 
 
 def test_one_side_stream_per_loader_for_its_life() -> None:
@@ -106,8 +194,9 @@ def test_reserved_memory_is_flat_across_epochs_and_break_releases_buffers() -> N
     torch.cuda.synchronize()
     assert torch.cuda.memory_reserved() == reserved
     before = torch.cuda.memory_allocated()
-    for _ in loader:
+    for _batch in loader:
         break
+    del _batch  # the loop variable outlives the loop: batch 0 was kept alive by it
     gc.collect()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before
@@ -123,8 +212,11 @@ def test_second_gpu_and_the_thread_uses_it() -> None:
 
 _SANITIZED_LOOP = """
 import torch
-from prefetchx import DataLoaderX
+from prefetchx import DataLoaderX, Prefetcher
 from prefetchx._device import CudaStreams
+from prefetchx._device_stage import Copying
+from prefetchx._device import CudaStreams
+from prefetchx._device_stage import Copying
 from tests.test_cuda import Images, MEAN, STD
 
 
@@ -196,3 +288,120 @@ def test_resume_counts_batches_received_not_batches_on_the_device(
     resumed.load_state_dict(state)
     rest = [labels.tolist() for _, labels, _ in resumed]
     assert got + rest == expected
+
+
+class Planted(CudaStreams):
+    """The real stream operations with protections removed, the side stream optionally slowed."""
+
+    def __init__(
+        self, device: torch.device, *, protect: bool, fence: bool, side_sleep: int = 0
+    ) -> None:
+        super().__init__(device)
+        self._protects = protect
+        self._fences = fence
+        self._side_sleep = side_sleep
+
+    def side_waits_for(self, stream: Any) -> None:
+        if self._fences:
+            super().side_waits_for(stream)
+        if self._side_sleep:
+            with torch.cuda.stream(self.side):
+                torch.cuda._sleep(self._side_sleep)  # type: ignore[no-untyped-call]  # untyped in torch
+
+    def protect(self, tensor: torch.Tensor, stream: Any) -> None:
+        if self._protects:
+            super().protect(tensor, stream)
+
+
+class Labelled(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
+    """Image i is filled with i % 251, on the host or on the GPU."""
+
+    def __init__(self, n: int, device: str = "cpu") -> None:
+        self.n = n
+        self.device = device
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.full((3, 64, 64), i % 251, dtype=torch.uint8, device=self.device), i
+
+
+SLOW = 20_000_000  # GPU cycles: about 10 ms
+"""The consumer (or the side stream) is this much slower than the host, per batch."""
+
+
+def _corrupted(source: Iterable[Any], batches: int) -> int:
+    """Elements that differ from their batch's true values, checked on the GPU by a consumer
+    that runs far behind the host, so freed memory is reused under its queued reads."""
+    truth = torch.arange(batches * 4, device="cuda").remainder(251).float()
+    bad = torch.zeros((), dtype=torch.int64, device="cuda")
+    for step, (x, _) in enumerate(source):
+        torch.cuda._sleep(SLOW)  # type: ignore[no-untyped-call]  # untyped in torch
+        want = truth[step * 4 : step * 4 + 4].view(-1, 1, 1, 1)
+        bad += (x != want).sum()
+    torch.cuda.synchronize()
+    return int(bad)
+
+
+@pytest.mark.parametrize(
+    ("protect", "fence", "corrupts"),
+    [
+        (True, True, False),  # the real stage
+        (False, True, False),  # the fence alone orders the side's reuse after the reads
+        (True, False, False),  # record_stream alone keeps the memory from reuse
+        (False, False, True),  # neither: a later batch is copied into memory still being read
+    ],
+)
+def test_a_slow_consumer_never_reads_corrupted_values(
+    protect: bool, fence: bool, corrupts: bool
+) -> None:
+    loader = DataLoaderX(
+        Labelled(96), batch_size=4, device="cuda", mean=(0, 0, 0), std=(1, 1, 1), device_prefetch=3
+    )
+    loader._pipeline._streams = Planted(loader._pipeline.target, protect=protect, fence=fence)
+    bad = sum(_corrupted(loader, 24) for _ in range(3))
+    assert (bad > 0) == corrupts, bad
+
+
+@pytest.mark.parametrize(
+    ("protect", "keep_hosts", "corrupts"),
+    [
+        (True, True, False),  # the real stage
+        (False, True, False),  # the host batch, kept until its copy is done, holds the source
+        (True, False, False),  # record_stream for the side stream holds it
+        (False, False, True),  # neither: the source's memory is reused under the side's read
+    ],
+)
+def test_a_source_on_the_device_is_read_before_its_memory_is_reused(
+    protect: bool, keep_hosts: bool, corrupts: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The batches come from the GPU (accelerate's placement, a GPU-resident dataset); the side
+    # stream, slowed, normalizes each after its owner has dropped it and made the next.
+    if not keep_hosts:
+        monkeypatch.setattr(Copying, "add", lambda self, host, event: None)
+    plain = torch.utils.data.DataLoader(Labelled(96, "cuda"), batch_size=4)
+    prefetcher = Prefetcher(plain, device="cuda", mean=(0, 0, 0), std=(1, 1, 1), max_prefetch=0)
+    prefetcher._pipeline._streams = Planted(
+        prefetcher._pipeline.target, protect=protect, fence=True, side_sleep=SLOW
+    )
+    bad = sum(_corrupted(prefetcher, 24) for _ in range(3))
+    assert (bad > 0) == corrupts, bad
+
+
+def test_the_gpu_meter_sees_an_input_bound_gpu_and_a_compute_bound_one() -> None:
+    class Slow(Labelled):
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+            time.sleep(0.002)
+            return super().__getitem__(i)
+
+    conv = torch.nn.Conv2d(3, 3, 3, padding=1).cuda()
+    for dataset, steps, bound in ((Slow(64), 1, "input-bound"), (Labelled(64), 200, "compute")):
+        loader = DataLoaderX(dataset, batch_size=4, device="cuda", mean=(0, 0, 0), std=(1, 1, 1))
+        for x, _ in loader:
+            for _ in range(steps):
+                x = conv(x).relu()
+        torch.cuda.synchronize()
+        stats = loader.stats
+        assert stats.gpu_idle.count >= 10
+        assert stats.verdict().startswith(bound), str(stats)

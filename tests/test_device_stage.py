@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import gc
+import math
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
+from prefetchx._device import Copies
 from prefetchx._device_stage import DeviceStage
 from prefetchx._engine import Failure, Signal
 from prefetchx._normalize import Normalize
@@ -17,12 +21,20 @@ from prefetchx._thread_stage import ThreadStage
 
 
 class FakeStreams:
-    """Records the stream operations DeviceStage performs, in order."""
+    """Records the stream operations DeviceStage performs, in order.
+
+    Every event is complete at once unless a test says otherwise (``pending``); every tensor is
+    on the host unless the test marks it local (``local``).
+    """
 
     def __init__(self) -> None:
         self.log: list[tuple[Any, ...]] = []
         self.on_side_now = False
         self.events = 0
+        self.timings = 0
+        self.pending: set[int] = set()
+        self.local: list[torch.Tensor] = []
+        self.side = "side"
 
     def consumer(self) -> str:
         return "consumer"
@@ -43,8 +55,13 @@ class FakeStreams:
     def side_waits_for(self, stream: str) -> None:
         self.log.append(("side_waits_for", stream))
 
-    def mark_side(self) -> int:
+    def mark(self, stream: str, timing: bool = False) -> int:
+        if timing:  # the GPU meter's: numbered apart, negative
+            self.timings += 1
+            self.log.append(("timing", stream, -self.timings))
+            return -self.timings
         assert self.on_side_now
+        assert stream == "side"
         self.events += 1
         self.log.append(("mark", self.events))
         return self.events
@@ -52,8 +69,33 @@ class FakeStreams:
     def wait(self, stream: str, event: int) -> None:
         self.log.append(("wait", stream, event))
 
-    def hand_over(self, tensor: torch.Tensor, stream: str) -> None:
-        self.log.append(("hand_over", int(tensor.flatten()[0]), stream))
+    def protect(self, tensor: torch.Tensor, stream: str) -> None:
+        if tensor.layout != torch.strided:
+            raise RuntimeError("record_stream reads storage(): sparse tensors have none")
+        self.log.append(("protect", int(tensor.flatten()[0]), stream))
+
+    def done(self, event: int) -> bool:
+        return event not in self.pending
+
+    def elapsed_s(self, start: int, end: int) -> float:
+        assert self.done(end)
+        return (start - end) / 1000  # timing events count down: 1 ms a step
+
+    def is_local(self, tensor: torch.Tensor) -> bool:
+        return any(tensor is t for t in self.local)
+
+    def copy(self, tensor: torch.Tensor, non_blocking: bool) -> torch.Tensor:
+        assert self.on_side_now
+        return tensor.clone()
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.clone()
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return False
+
+    def entries(self, *kinds: str) -> list[tuple[Any, ...]]:
+        return [entry for entry in self.log if entry[0] in kinds]
 
 
 def _batches(n: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -116,6 +158,7 @@ def _stage(
     return DeviceStage(
         source,  # type: ignore[arg-type]
         torch.device("cpu"),
+        copies=streams or Copies(torch.device("cpu")),  # type: ignore[arg-type]
         streams=streams,  # type: ignore[arg-type]
         normalize=normalize or Normalize(),
         input_key=0,
@@ -131,7 +174,7 @@ def test_fences_for_each_batch() -> None:
     streams = FakeStreams()
     out = list(_stage(Upstream(_batches(2)), streams))
     assert [int(x[0].flatten()[0]) for x in out] == [0, 1]
-    assert streams.log == [
+    assert [entry for entry in streams.log if entry[0] != "timing"] == [
         # batch 0: wait for the consumer, copy on the side stream, event after
         ("side_waits_for", "consumer"),
         ("enter_side",),
@@ -139,16 +182,16 @@ def test_fences_for_each_batch() -> None:
         ("exit_side",),
         # handed over: the consumer waits for batch 0's event only; both tensors protected
         ("wait", "consumer", 1),
-        ("hand_over", 0, "consumer"),
-        ("hand_over", 0, "consumer"),
+        ("protect", 0, "consumer"),
+        ("protect", 0, "consumer"),
         # batch 1 starts while the caller works on batch 0
         ("side_waits_for", "consumer"),
         ("enter_side",),
         ("mark", 2),
         ("exit_side",),
         ("wait", "consumer", 2),
-        ("hand_over", 1, "consumer"),
-        ("hand_over", 1, "consumer"),
+        ("protect", 1, "consumer"),
+        ("protect", 1, "consumer"),
     ]
 
 
@@ -321,3 +364,108 @@ def test_over_a_real_thread_stage_the_outcomes_are_the_sources(
     assert _outcomes(stage) == expected
     assert stage.tally.ended
     assert stage.stats.batches == 11
+
+
+def test_a_source_already_on_the_device_is_not_copied_and_protected_for_the_side_stream() -> None:
+    # Its owner (the caller's stream) may drop it once the batch is queued; the side stream
+    # still has to read it for the normalization.
+    streams = FakeStreams()
+    batches = [(torch.full((1, 3, 2, 2), i, dtype=torch.uint8), torch.tensor([i])) for i in (7, 8)]
+    streams.local = [x for batch in batches for x in batch]
+    normalize = Normalize((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
+    stage = _stage(Upstream(iter(batches)), streams, normalize=normalize)
+    image, label = next(stage)
+    assert label is batches[0][1]  # on the device already: no copy
+    assert torch.equal(image, batches[0][0].float())
+    side = streams.log[: streams.log.index(("mark", 1))]
+    assert ("protect", 7, "side") in side  # the input the side stream read, before its event
+    assert streams.entries("protect").count(("protect", 7, "side")) == 1
+    stage.close()
+
+
+def test_a_local_source_without_normalization_never_touches_the_side_stream() -> None:
+    streams = FakeStreams()
+    batches = [(torch.full((1, 3, 2, 2), i, dtype=torch.uint8), torch.tensor([i])) for i in (1, 2)]
+    streams.local = [x for batch in batches for x in batch]
+    out = list(_stage(Upstream(iter(batches)), streams))
+    assert all(o[0] is b[0] and o[1] is b[1] for o, b in zip(out, batches, strict=True))
+    assert not [e for e in streams.entries("protect") if e[2] == "side"]
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_a_sparse_leaf_is_protected_through_its_dense_parts(layout: str) -> None:
+    dense = torch.tensor([[0.0, 5.0], [6.0, 0.0]])
+    sparse = dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+    streams = FakeStreams()
+    stage = _stage(Upstream(iter([(torch.zeros(1, 3, 2, 2), sparse)])), streams)
+    _, got = next(stage)
+    assert got.layout == sparse.layout
+    assert torch.equal(got.to_dense(), dense)
+    protected = [e for e in streams.entries("protect") if e[2] == "consumer"]
+    assert len(protected) == (1 + 2 if layout == "coo" else 1 + 3)  # input, then the parts
+    stage.close()
+
+
+def _host_batches(n: int, refs: list[weakref.ref[torch.Tensor]]) -> Iterator[Any]:
+    def make(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.full((1, 3, 2, 2), i, dtype=torch.uint8)
+        refs.append(weakref.ref(x))
+        return x, torch.tensor([i])
+
+    for i in range(n):
+        yield make(i)  # not bound here: the generator's frame keeps no batch
+
+
+def test_a_host_batch_lives_until_its_copy_is_done() -> None:
+    # Memory torch's host allocator does not manage (a buffer the user pinned) must outlive the
+    # copy from it; the stage cannot tell which memory that is, so it keeps every host batch.
+    streams = FakeStreams()
+    streams.pending = {1, 2, 3}  # no copy has finished
+    refs: list[weakref.ref[torch.Tensor]] = []
+    stage = _stage(Upstream(_host_batches(4, refs)), streams, depth=1)
+    next(stage)
+    next(stage)
+    gc.collect()
+    assert [r() is not None for r in refs] == [True, True, True]  # 0, 1 handed, 2 in flight
+    streams.pending = {3, 4}  # batches 0 and 1 copied; 2 and 3 (in flight next) not yet
+    next(stage)
+    gc.collect()
+    assert [r() is not None for r in refs] == [False, False, True, True]
+    stage.close()  # copies of 2 (handed over) and 3 (in flight) still running: kept
+    gc.collect()
+    assert [r() is not None for r in refs] == [False, False, True, True]
+    streams.pending = set()
+    _stage(Upstream(iter([])), streams).close()  # any later stage lets go of finished copies
+    gc.collect()
+    assert [r() is not None for r in refs] == [False, False, False, False]
+
+
+def test_the_gpu_meter_reads_completed_events_only() -> None:
+    streams = FakeStreams()
+    stage = _stage(Upstream(_batches(6)), streams, depth=1)
+    next(stage)
+    timings = streams.entries("timing")
+    assert timings == [("timing", "consumer", -1), ("timing", "consumer", -2)]
+    streams.pending = {-4, -6}  # batch 1's and 2's hand-over events not done
+    next(stage)
+    next(stage)
+    stats = stage.stats
+    assert stats.gpu_warmup_s == pytest.approx(0.001)  # batch 0: first, apart
+    assert stats.gpu_idle.count == 0
+    streams.pending = set()
+    assert stats.gpu_idle.count == 2  # read when the meter is read, never waited for
+    assert stats.gpu_idle.total == pytest.approx(0.002)
+    list(stage)
+    assert stats.gpu_idle.count == 5
+    out = stats.as_dict()
+    assert out["gpu_idle_total_s"] == pytest.approx(0.005)
+    assert out["gpu_idle_p95_s"] == pytest.approx(0.001)
+    assert "GPU idle for data" in str(stats)
+
+
+def test_without_streams_there_is_no_gpu_meter() -> None:
+    stage = _stage(Upstream(_batches(3)), None)
+    list(stage)
+    assert stage.stats.gpu_idle.count == 0
+    assert math.isnan(stage.stats.as_dict()["gpu_idle_fraction"])

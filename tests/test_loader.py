@@ -29,7 +29,7 @@ from torch.utils.data import (
 )
 
 from prefetchx import DataLoaderX
-from tests.helpers import REPO, Squares, Stream, as_lists, both, outcomes, plain
+from tests.helpers import REPO, Squares, Stream, as_lists, both, outcomes, plain, wait_until
 
 
 def _loader_pair(
@@ -473,6 +473,26 @@ def test_iterators_have_dataloaders_len(num_workers: int) -> None:
     for cls in (DataLoader, DataLoaderX):
         with pytest.raises(TypeError):
             len(iter(cls(Stream(4), batch_size=2)))  # no __len__: DataLoader's TypeError too
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_dropping_an_iterator_shuts_its_workers_down_before_del_returns(persistent: bool) -> None:
+    # DataLoader's iterator joins its workers in __del__. With the thread outside the DataLoader
+    # iterator (waiting to put a batch), dropping ours must do the same, in the caller's thread.
+    alive = {}
+    for cls in (DataLoader, DataLoaderX):
+        loader = cls(Squares(64), batch_size=2, num_workers=2, persistent_workers=persistent)
+        it = iter(loader)
+        del loader  # as in `iter(DataLoader(...))`: the iterator alone keeps the workers
+        workers = list(it._workers)
+        next(it)
+        next(it)
+        if cls is DataLoaderX:
+            producer = it._stage._producer  # type: ignore[attr-defined]
+            assert wait_until(lambda p=producer: p.queue.full() and not p.in_source)
+        del it
+        alive[cls.__name__] = [w.is_alive() for w in workers]
+    assert alive["DataLoaderX"] == alive["DataLoader"] == [False, False]
 
 
 def test_iter_of_an_iterator_is_itself() -> None:

@@ -467,6 +467,28 @@ def test_verdict_and_percentiles_on_fixed_numbers() -> None:
     assert EpochStats().verdict() == "no batches yet"
 
 
+def test_with_gpu_samples_the_verdict_goes_by_the_gpus_idle_time() -> None:
+    # The loop waits 40 ms per batch in next() while the GPU, still busy with the steps it
+    # queued, sits idle 1 ms per batch: compute-bound, whatever the loop's own waits say.
+    stats = EpochStats()
+    stats.warmup_s = 0.5
+    stats.wait.add(0.5)
+    for _ in range(10):
+        stats.wait.add(0.040)
+        stats.step.add(0.060)
+        stats.gpu_idle.add(0.001)
+    assert stats.input_bound_fraction == pytest.approx(0.4)
+    assert stats.gpu_idle_fraction == pytest.approx(0.01)
+    assert stats.verdict() == "compute-bound: the GPU waited for data 1.0% of the time"
+    for _ in range(10):
+        stats.gpu_idle.add(0.041)
+    assert stats.gpu_idle_fraction == pytest.approx(0.21)  # 21 ms of a 100 ms loop
+    assert stats.verdict().startswith("input-bound: the GPU waited for data 21% of the time")
+    row = stats.as_dict()
+    assert row["gpu_idle_total_s"] == pytest.approx(0.42)
+    assert row["gpu_idle_mean_s"] == pytest.approx(0.021)
+
+
 def test_one_batch_in_the_verdict_is_warming_up_not_input_bound() -> None:
     stage = ThreadStage(_slow(5, 0.02), max_prefetch=2)
     next(stage)
