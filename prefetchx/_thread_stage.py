@@ -289,9 +289,8 @@ class ThreadStage(Iterator[T], Generic[T]):
     (so whatever the source does first, such as a sampler's random draw, happens where and when
     it would without the stage), then starts the thread for the rest. The thread is a
     `prefetch_generator.BackgroundGenerator` whose defects are fixed: it stops when asked, and
-    hands on every exception. Warnings
-    the source raises in the thread are shown in the caller's thread with the item they came
-    with.
+    hands on every exception. Warnings the source raises in the thread are shown in the
+    caller's thread with the item they came with.
 
     Leaving the stage never waits for the thread: dropping it (garbage collection, an early
     ``break``) or an interrupt asks the thread to stop; a source the thread is not inside is
