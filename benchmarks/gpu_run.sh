@@ -1,32 +1,76 @@
 #!/usr/bin/env bash
-# Every check that needs a GPU, in one command, its output written under OUTDIR:
+# The checks that need a GPU, one step per call of the device tool, each written under OUTDIR as
+# it runs:
 #
-#     benchmarks/gpu_run.sh OUTDIR
+#     benchmarks/gpu_run.sh STEP OUTDIR
 #
-# 1. The whole test suite. The `cuda`-marked tests (values against the CPU reference, devices,
-#    one side stream, flat reserved memory, the CUDA sanitizer run and its planted-race
-#    control, resume on the device, the two-GPU tests where there are two) see the GPU; the
-#    others run as on a CPU machine (conftest.py). Written to OUTDIR/tests-<gpu>.txt.
-# 2. `python -m prefetchx bench`, CUDA section included: OUTDIR/bench-<gpu>.{txt,json}.
+# A device call may run 10 minutes and a session has 30 minutes of device time, so each step
+# ends within STEP_LIMIT seconds (default 420, all its commands together) and writes
+# OUTDIR/<step>-<gpu>.txt line by line: a step cut short still returns what it wrote. The
+# steps, in the order of the standing GPU validation issue (#15):
+#
+#   cuda-tests            The `cuda`-marked tests (values against the CPU reference, #13's
+#                         corruption tests, one side stream, flat reserved memory, the CUDA
+#                         sanitizer run and its planted-race control, resume on the device, the
+#                         two-GPU tests where there are two), then all of tests/test_device*.py,
+#                         whose fakes meet a real CUDA build of torch here.      (#15 runs 1-2)
+#   cuda-tests-sanitized  The same under TORCH_CUDA_SANITIZER=1: all pass, the planted
+#                         controls fail as designed.                             (#15 run 1)
+#   bench                 `python -m prefetchx bench`, whole (it has --cpu-only but no flag for
+#                         the CUDA section alone; the CPU part takes under a minute): copy
+#                         bandwidth and the end-to-end step. Also OUTDIR/bench-<gpu>.json.
+#                                                                                (#15 runs 3-4)
+#   suite                 Every other test. Not in the plan: outside `cuda`-marked tests the
+#                         machine looks like one without an accelerator (conftest.py), so these
+#                         re-test the CPU path that CI runs and that was recorded with this
+#                         image's torch and Python (benchmarks/results/compat-cpu-2core.txt),
+#                         for minutes of the session's 30. Run it only with time to spare.
 #
 # Each .txt starts with a line naming the GPU, driver, torch, Python and commit; copy the files
-# to benchmarks/results/ and commit them.
+# to benchmarks/results/ and commit them. The exit status is pytest's or the bench's; 2 for a bad
+# call or no CUDA device; 124 when the step ran out of time.
 #
 # On the device tool's machine (torch 2.11, Python 3.12, no network, no .git) only
 # prefetch_generator is missing. Build its wheel here into .whl/ (ignored by git, so it must be
-# carried), and name the commit:
+# carried), and name the commit. The calls, one per step (each starts a machine unless the last
+# one is still warm):
 #
 #     pip wheel --no-deps prefetch_generator==1.0.3 -w .whl
-#     run(command="PREFETCHX_COMMIT=<sha> benchmarks/gpu_run.sh $OUT", carry=[".whl"])
+#     run(command="PREFETCHX_COMMIT=<sha> benchmarks/gpu_run.sh cuda-tests $OUT", carry=[".whl"], timeout_s=540)
+#     run(command="PREFETCHX_COMMIT=<sha> benchmarks/gpu_run.sh cuda-tests-sanitized $OUT", carry=[".whl"], timeout_s=540)
+#     run(command="PREFETCHX_COMMIT=<sha> benchmarks/gpu_run.sh bench $OUT", carry=[".whl"], timeout_s=540)
 set -uo pipefail
 
-out=${1:?usage: benchmarks/gpu_run.sh OUTDIR}
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
+usage() {
+    echo "usage: benchmarks/gpu_run.sh STEP OUTDIR" >&2
+    echo "  STEP: cuda-tests, cuda-tests-sanitized, bench or suite (see the header)" >&2
+    exit 2
+}
+
+[ $# -eq 2 ] || usage
+step=$1
+case "$step" in
+cuda-tests | cuda-tests-sanitized | bench | suite) ;;
+*) usage ;;
+esac
+out=$2
+python=${PYTHON:-python3}
+limit=${STEP_LIMIT:-420}
+deadline=$((SECONDS + limit))
+
 cd "$(dirname "$0")/.."
 
+gpu=$("$python" -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "")')
+if [ -z "$gpu" ]; then
+    echo "gpu_run.sh: no CUDA device here (torch.cuda.is_available() is False)" >&2
+    exit 2
+fi
+
+mkdir -p "$out" || exit 2
+out=$(cd "$out" && pwd)
+
 if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/prefetchx-site \
+    "$python" -m pip install -q --no-index --no-deps --no-compile --target /tmp/prefetchx-site \
         .whl/*.whl || exit 2
     export PYTHONPATH=/tmp/prefetchx-site
 fi
@@ -35,16 +79,50 @@ export PYTHONUNBUFFERED=1
 PREFETCHX_COMMIT=${PREFETCHX_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export PREFETCHX_COMMIT
 
-gpu=$(python3 -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "")')
-if [ -z "$gpu" ]; then
-    echo "gpu_run.sh: no CUDA device here" >&2
-    exit 2
-fi
 slug=$(printf '%s' "$gpu" | tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
 driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)
-header="# $gpu (driver ${driver:-unknown}), $(python3 -c 'import platform, torch; print(f"torch {torch.__version__}, Python {platform.python_version()}")'), commit $PREFETCHX_COMMIT, $(date -u +%Y-%m-%dT%H:%MZ)"
+versions=$("$python" -c 'import platform, torch; print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), Python {platform.python_version()}")')
+header="# $step: $gpu (driver ${driver:-unknown}), $versions, commit $PREFETCHX_COMMIT, $(date -u +%Y-%m-%dT%H:%MZ)"
+file="$out/$step-$slug.txt"
 
+# Within what is left of the step's limit; SIGINT first, so pytest prints its summary of what
+# ran, then SIGKILL 20 s later.
+capped() {
+    local left=$((deadline - SECONDS))
+    if [ "$left" -le 0 ]; then
+        echo "gpu_run.sh: $step has used its $limit s; not run: $*"
+        return 124
+    fi
+    timeout --signal=INT --kill-after=20 "$left" "$@"
+}
+# Run "$@" with its output appended to the step's file as it comes; keep the first failure.
+logged() {
+    "$@" 2>&1 | tee -a "$file"
+    local status=${PIPESTATUS[0]}
+    if [ "$rc" -eq 0 ]; then rc=$status; fi
+}
+# --durations: what each test took, to plan the next session's steps.
+run_pytest() {
+    logged capped "$python" -m pytest -v -ra --durations=15 -p no:cacheprovider "$@"
+}
+
+echo "$header" >"$file"
 rc=0
-{ echo "$header"; python3 -m pytest -v -ra -p no:cacheprovider 2>&1; } | tee "$out/tests-$slug.txt" || rc=1
-{ echo "$header"; python3 -m prefetchx bench --json "$out/bench-$slug.json" 2>&1; } | tee "$out/bench-$slug.txt" || rc=1
-exit $rc
+case "$step" in
+cuda-tests)
+    run_pytest -m cuda tests
+    run_pytest -m "not cuda" tests/test_device*.py
+    ;;
+cuda-tests-sanitized)
+    TORCH_CUDA_SANITIZER=1 run_pytest -m cuda tests
+    ;;
+bench)
+    logged capped "$python" -m prefetchx bench --json "$out/bench-$slug.json"
+    ;;
+suite)
+    ignored=()
+    for f in tests/test_device*.py; do ignored+=(--ignore "$f"); done
+    run_pytest -m "not cuda" "${ignored[@]}"
+    ;;
+esac
+exit "$rc"

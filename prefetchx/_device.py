@@ -1,6 +1,7 @@
 """Which device a loader targets, and the stream operations of that device.
 
-Nothing here runs at import: devices are probed when a loader is built.
+Nothing here runs at import. A loader checks its device when it is built, without initializing
+CUDA, and asks for the current device index at its first ``iter()``.
 """
 
 from __future__ import annotations
@@ -14,16 +15,33 @@ import torch
 def resolve_device(device: str | torch.device | int | None) -> torch.device:
     """The device batches go to: ``device`` checked, or the current accelerator, or the CPU.
 
-    ``None`` means the current accelerator (`torch.accelerator` where torch has it, else CUDA)
+    ``None`` means the current accelerator (CUDA, else `torch.accelerator`'s where torch has it)
     when one is present, and the CPU otherwise. A device without an index gets the current one,
-    so the result names one device exactly.
+    so the result names one device exactly. This asks for the current device, which initializes
+    CUDA: `check_device` alone does not.
+
+    Raises:
+        TypeError: ``device`` is not a string, `torch.device`, int or ``None``.
+        ValueError: ``device`` is malformed, does not exist or is not available.
+    """
+    return with_index(check_device(device))
+
+
+def check_device(device: str | torch.device | int | None) -> torch.device:
+    """``device`` checked as `resolve_device` checks it, without initializing CUDA.
+
+    It counts devices (which torch does without initializing CUDA; through NVML where it can) and
+    never asks for the current one: a CUDA or other accelerator device without an index stays
+    without one, for `with_index` to complete when the device is first used. Fork-based
+    launchers (Lightning's ``ddp_fork``, notebooks) refuse to start once CUDA is initialized.
 
     Raises:
         TypeError: ``device`` is not a string, `torch.device`, int or ``None``.
         ValueError: ``device`` is malformed, does not exist or is not available.
     """
     if device is None:
-        return _current_accelerator()
+        kind = _accelerator_type()
+        return torch.device("cpu") if kind is None else check_device(kind)
     if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
         raise TypeError(
             f"`device` must be a string, a torch.device, an int or None, got "
@@ -39,13 +57,12 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device:
         if not torch.cuda.is_available():
             raise ValueError(f"`device` {device!r}: CUDA is not available on this machine.")
         count = torch.cuda.device_count()
-        index = torch.cuda.current_device() if dev.index is None else dev.index
-        if index >= count:
+        if dev.index is not None and dev.index >= count:
             raise ValueError(
                 f"`device` {device!r} does not exist: this machine has {count} CUDA "
                 f"device(s), cuda:0 to cuda:{count - 1}."
             )
-        return torch.device("cuda", index)
+        return dev
     if dev.type == "mps":
         if not torch.backends.mps.is_available():
             raise ValueError(f"`device` {device!r}: MPS is not available on this machine.")
@@ -57,29 +74,40 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device:
             f"{accelerator or 'none'}."
         )
     count = torch.accelerator.device_count()
-    index = torch.accelerator.current_device_index() if dev.index is None else dev.index
-    if index >= count:
+    if dev.index is not None and dev.index >= count:
         raise ValueError(
             f"`device` {device!r} does not exist: this machine has {count} {dev.type} device(s)."
         )
-    return torch.device(dev.type, index)
+    return dev
+
+
+def with_index(device: torch.device) -> torch.device:
+    """``device`` as `check_device` returned it, with the current device's index if it has none.
+
+    Asking for the current device initializes CUDA (or the accelerator): call this when the
+    device is first used, not when a loader is built.
+    """
+    if device.index is not None or device.type == "cpu":
+        return device
+    if device.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device.type, torch.accelerator.current_device_index())
 
 
 def _accelerator_type() -> str | None:
+    # CUDA is asked first, through torch.cuda: its check can count through NVML (with
+    # PYTORCH_NVML_BASED_CUDA_CHECK=1, which Lightning sets), where torch.accelerator's first
+    # versions count through the CUDA runtime, which initializes the driver (cuInit) before a
+    # fork-based launcher forks.
+    if torch.cuda.is_available():
+        return "cuda"
     accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
     if accelerator is not None:
         if not accelerator.is_available():
             return None
         current = accelerator.current_accelerator()
         return None if current is None else str(current.type)
-    return "cuda" if torch.cuda.is_available() else None
-
-
-def _current_accelerator() -> torch.device:
-    kind = _accelerator_type()
-    if kind is None:
-        return torch.device("cpu")
-    return resolve_device(kind)
+    return None
 
 
 def set_thread_device(device: torch.device) -> None:

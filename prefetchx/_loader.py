@@ -81,9 +81,11 @@ class DataLoaderX(DataLoader[T_co]):
         max_prefetch: Batches the background thread keeps ready. ``0`` runs no thread: batches
             are produced in the caller's thread as by `DataLoader`.
         device: Where batches go: ``None`` for the current accelerator if there is one, else
-            the CPU (no transfer); or a device such as ``"cuda:1"``. Resolved when the loader
-            is built: under torch.distributed call ``torch.cuda.set_device(local_rank)`` first,
-            or name the rank's device.
+            the CPU (no transfer); or a device such as ``"cuda:1"``. Checked when the loader is
+            built, without initializing CUDA (fork-based launchers need that); a device without
+            an index takes the current device at the first ``iter()`` and keeps it for the
+            loader's life: under torch.distributed call ``torch.cuda.set_device(local_rank)``
+            before the first ``iter()``, or name the rank's device.
         mean: Per-channel means of the input, in its units as collated (0-255 for uint8
             images), applied on dim 1 of an ``N, C, ...`` input. With ``std``.
         std: Per-channel standard deviations; ``(x - mean) / std``.
@@ -152,7 +154,7 @@ class DataLoaderX(DataLoader[T_co]):
         self._latest: Epoch | None = None
         self._resume: Resume | IterableResume | None = None
         self._live: weakref.WeakSet[PrefetchIterator[Any]] = weakref.WeakSet()
-        if self._pipeline.target.type == "cuda" and _refuses_pinning(dataset, args, kwargs):
+        if self._pipeline.device.type == "cuda" and _refuses_pinning(dataset, args, kwargs):
             self._pipeline.pin_host = False
         super().__init__(dataset, *args, **kwargs)
 

@@ -15,7 +15,7 @@ class Normalize:
 
     ``mean`` and ``std`` are in the units of the input as collated (0-255 for uint8 images) and
     apply on dim 1 of an ``N, C, ...`` input. The arithmetic runs in float32 (float64 for a
-    float64 output) and is cast to ``dtype`` at the end, so float16, bfloat16 and float8 outputs
+    float64 output) and is rounded to ``dtype`` once, so float16, bfloat16 and float8 outputs
     are the correctly rounded float32 result. The constants are checked in that dtype too: each
     must be finite there, and each ``std`` nonzero with a finite reciprocal, so
     ``mean=(1e39, ...)`` or ``std=(1e-50, ...)`` is refused for a float32, float16 or bfloat16
@@ -80,55 +80,83 @@ class Normalize:
         if not isinstance(channels_last, bool):
             raise TypeError(f"`channels_last` must be a bool, got {channels_last!r}.")
         self.channels_last = channels_last
-        self._constants: dict[tuple[torch.device, torch.dtype, int], tuple[torch.Tensor, ...]] = {}
+        self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def active(self) -> bool:
         """Whether there is anything to do."""
         return self.dtype is not None or self.channels_last
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalize ``x``, on its own device and in the current stream."""
-        if self.channels_last and x.dim() != 4:
-            raise ValueError(
-                f"`channels_last=True` needs a 4-D N, C, H, W input, got shape {tuple(x.shape)}."
-            )
-        if self.mean is not None:
-            if x.dim() < 2 or x.shape[1] != len(self.mean):
-                raise ValueError(
-                    f"`mean`/`std` have {len(self.mean)} channels but the input has "
-                    f"{x.shape[1] if x.dim() >= 2 else 'no channel dim'} (shape "
-                    f"{tuple(x.shape)}; channels are dim 1)."
-                )
-            assert self.dtype is not None  # set with mean in __init__
-            work = _work_dtype(self.dtype)
-            mean, std = self._on(x.device, work, x.dim())
-            # Out of place first: x may be the caller's tensor (or a view of the dataset).
-            x = (x.to(work) - mean).div_(std)
-        if self.dtype is not None:
-            x = x.to(self.dtype)
-        if self.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        return x
-
     def prepare(self, device: torch.device) -> None:
-        """Make the constants for inputs on ``device`` now, before any fence they would wait on."""
-        if self.mean is not None and self.dtype is not None:
-            self._on(device, _work_dtype(self.dtype), 4)
+        """Make the ``mean``/``std`` constants on ``device`` now, once per device.
 
-    def _on(self, device: torch.device, dtype: torch.dtype, dim: int) -> tuple[torch.Tensor, ...]:
-        """``mean`` and ``std`` shaped ``1, C, 1, ...`` for a ``dim``-D input, made once."""
-        key = (device, dtype, dim)
-        constants = self._constants.get(key)
-        if constants is None:
-            shape = (1, -1) + (1,) * (dim - 2)
-            assert self.mean is not None  # only called with mean and std
-            assert self.std is not None
-            constants = tuple(
-                _constant(values, dtype).view(shape).to(device) for values in (self.mean, self.std)
+        The device stage calls it in the caller's stream before the side stream's fence, so the
+        constants are never made behind that wait. They are filled by kernels, from the values
+        as Python floats: no host-to-device copy, so nothing waits for the stream. Without a
+        call, `__call__` makes them at its first use on a device.
+        """
+        if self.mean is None or self.std is None or self.dtype is None:
+            return  # no constants: nothing to subtract
+        if device in self._constants:
+            return
+        work = _work_dtype(self.dtype)
+        self._constants[device] = (
+            _filled(self.mean, work, device),
+            _filled(self.std, work, device),
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalize ``x``, on its own device and in the current stream.
+
+        Two passes over the float data with ``mean``/``std``: ``x - mean`` (the cast to the
+        arithmetic dtype happens inside that kernel) and ``/ std`` written straight into the
+        output dtype. channels_last is applied first, to the input as given (one byte an element
+        for uint8). The values are those of ``((x.to(work) - mean) / std).to(dtype)``, bit for
+        bit.
+        """
+        if self.channels_last:
+            if x.dim() != 4:
+                raise ValueError(
+                    f"`channels_last=True` needs a 4-D N, C, H, W input, got shape "
+                    f"{tuple(x.shape)}."
+                )
+            x = x.contiguous(memory_format=torch.channels_last)  # a no-op if it already is
+        if self.mean is None:
+            return x if self.dtype is None else x.to(self.dtype)
+        if x.dim() < 2 or x.shape[1] != len(self.mean):
+            raise ValueError(
+                f"`mean`/`std` have {len(self.mean)} channels but the input has "
+                f"{x.shape[1] if x.dim() >= 2 else 'no channel dim'} (shape "
+                f"{tuple(x.shape)}; channels are dim 1)."
             )
-            self._constants[key] = constants
-        return constants
+        assert self.dtype is not None  # set with mean in __init__
+        work = _work_dtype(self.dtype)
+        mean, std = self._on(x)
+        if x.dtype == torch.bool or torch.promote_types(x.dtype, work) != work:
+            # sub refuses bool, and would compute a wider input (float64 for a float32
+            # output) in its own dtype: cast first, as the arithmetic dtype demands.
+            x = x.to(work)
+        # Out of place: x may be the caller's tensor (or a view of the dataset).
+        centred = torch.sub(x, mean)
+        if self.dtype == work:
+            return centred.div_(std)
+        if self.dtype.itemsize == 1:
+            # float8: a division written into a float8 output would cast inside the kernel,
+            # which has not run on a GPU here; cast afterwards, as before.
+            return centred.div_(std).to(self.dtype)
+        # A narrower output: the float32 quotient is rounded once, as it is stored.
+        return torch.div(centred, std, out=torch.empty_like(centred, dtype=self.dtype))
+
+    def _on(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``mean`` and ``std`` for ``x``, viewed ``1, C, 1, ...`` (a free view)."""
+        self.prepare(x.device)
+        mean, std = self._constants[x.device]
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        return mean.view(shape), std.view(shape)
+
+    def __getstate__(self) -> dict[str, object]:
+        # A copy makes its own constants where it is used: device tensors do not travel.
+        return {**self.__dict__, "_constants": {}}
 
 
 def _channels(name: str, values: Sequence[float] | None) -> tuple[float, ...] | None:
@@ -155,8 +183,21 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _constant(values: tuple[float, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``values`` as the arithmetic gets them; the checks convert them the same way."""
+    """``values`` as the checks get them, on the CPU; `_filled` converts them the same way."""
     return torch.tensor(values, dtype=dtype)
+
+
+def _filled(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a 1-D tensor on ``device``, each written by a fill kernel.
+
+    A fill takes its value as an argument, converted on the host as `torch.tensor` converts it,
+    so the result equals `_constant`'s bit for bit; a copy from the host would synchronize with
+    the stream when the source is pageable memory.
+    """
+    out = torch.empty(len(values), dtype=dtype, device=device)
+    for i, value in enumerate(values):
+        out[i].fill_(value)
+    return out
 
 
 def _check_constants(mean: tuple[float, ...], std: tuple[float, ...], work: torch.dtype) -> None:

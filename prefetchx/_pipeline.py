@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -9,7 +10,7 @@ import torch
 
 from prefetchx._batch import map_input, map_tensors
 from prefetchx._checks import check_bool, check_input_key, check_int
-from prefetchx._device import Copies, CudaStreams, resolve_device
+from prefetchx._device import Copies, CudaStreams, check_device, with_index
 from prefetchx._device_stage import DeviceStage
 from prefetchx._normalize import Normalize
 from prefetchx._stats import EpochStats
@@ -17,12 +18,16 @@ from prefetchx._thread_stage import ThreadStage
 
 Stage = ThreadStage[Any] | DeviceStage
 
+_RESOLVING = threading.Lock()
+
 
 class Pipeline:
     """The prefetch arguments, checked, and the stages they build over one source iterator.
 
     One per loader. It holds no epoch: every iterator gets its own stages from `build`. It makes
-    the target's side stream once, the first time a device stage needs it.
+    the target's side stream once, the first time a device stage needs it. ``device`` is checked
+    here without initializing CUDA; `target` completes it with the current index at the first
+    `build` (the first ``iter()``), once for the pipeline's life.
     """
 
     def __init__(
@@ -43,11 +48,22 @@ class Pipeline:
         self.device_prefetch = check_int("device_prefetch", device_prefetch, minimum=0)
         self.non_blocking = check_bool("non_blocking", non_blocking)
         self.normalize = Normalize(mean, std, dtype, channels_last)
-        self.target = resolve_device(device)
+        self.device = check_device(device)  # its index may be None: see target
+        self._target: torch.device | None = None
         self.pin_host = True
         """Pin host leaves in the thread stage before their copy to a CUDA device (see
         `_pin`); a loader given ``pin_memory=False`` turns it off."""
         self._streams: CudaStreams | None = None
+
+    @property
+    def target(self) -> torch.device:
+        """The device batches go to, with its index: ``device`` with the current index if it has
+        none, asked for at the first use (which initializes CUDA) and then kept."""
+        if self._target is None:
+            with _RESOLVING:  # two threads' first iter() must agree on one device
+                if self._target is None:
+                    self._target = with_index(self.device)
+        return self._target
 
     def build(self, source: Iterator[Any], stats: EpochStats, *, reapable: bool = False) -> Stage:
         """The stages over ``source``: a thread, then the device if there is one.
@@ -97,7 +113,7 @@ class Pipeline:
         assert streams is not None  # only built over a CUDA target
 
         def pin(tensor: torch.Tensor) -> torch.Tensor:
-            if tensor.device.type != "cpu" or streams.is_pinned(tensor):
+            if tensor.device.type != "cpu" or streams.is_local(tensor) or streams.is_pinned(tensor):
                 return tensor
             return streams.pin(tensor)
 
@@ -112,5 +128,6 @@ class Pipeline:
         return self._streams
 
     def __getstate__(self) -> dict[str, Any]:
-        # A copied or pickled loader makes its own side stream when it first needs one.
-        return {**self.__dict__, "_streams": None}
+        # A copied or pickled loader (in another process, say) takes its own current device and
+        # makes its own side stream when it first needs them.
+        return {**self.__dict__, "_target": None, "_streams": None}

@@ -193,6 +193,48 @@ def child_pids() -> set[int]:
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+
+def repo_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child Python, plus ``extra``: the repository first on
+    ``PYTHONPATH``, so the child imports this checkout's prefetchx even where another one is
+    installed."""
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def run_python(
+    code: str, env: dict[str, str] | None = None, timeout: float = 120.0
+) -> subprocess.CompletedProcess[str]:
+    """``python -c code`` in the repository, its output captured as text; ``env`` defaults to
+    `repo_env()`."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=repo_env() if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def by_path(path: str, *names: str) -> str:
+    """Python source that binds ``names`` from the module file at ``path``, loaded by its path.
+
+    For a child Python that needs a test module's helpers: ``tests`` has no ``__init__.py``, so
+    a ``tests`` package that an installed distribution ships wins ``import tests.test_cuda``
+    wherever it is on the path; a path cannot be shadowed.
+    """
+    module = f"_by_path_{os.path.splitext(os.path.basename(path))[0]}"
+    return (
+        "import importlib.util as _util, sys as _sys\n"
+        f"_spec = _util.spec_from_file_location({module!r}, {os.path.abspath(path)!r})\n"
+        "_module = _util.module_from_spec(_spec)\n"
+        f"_sys.modules[{module!r}] = _module\n"
+        "_spec.loader.exec_module(_module)\n"
+        + "".join(f"{name} = _module.{name}\n" for name in names)
+    )
+
+
 TORCHRUN_TIMEOUT = 100.0
 """Seconds `torchrun` and its ranks get; a run here takes about 10 s on 2 cores. Below the
 120 s of pytest-timeout, so a hang is reported with the ranks' output."""
@@ -206,12 +248,10 @@ def torchrun(*args: str, nproc: int = 2) -> tuple[int, str, str]:
     """
     # --standalone: the rendezvous binds a free port itself, so no other process can take it.
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    # This checkout's prefetchx, even where another one is installed.
-    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
     child = subprocess.Popen(
         [sys.executable, *launcher, *args],
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": path},
+        env=repo_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -22,7 +20,6 @@ from prefetchx._device_stage import Copying
 pytestmark = pytest.mark.cuda
 
 MEAN, STD = (123.675, 116.28, 103.53), (58.395, 57.12, 57.375)
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Images(torch.utils.data.Dataset[tuple[torch.Tensor, int, str]]):
@@ -215,9 +212,6 @@ import torch
 from prefetchx import DataLoaderX, Prefetcher
 from prefetchx._device import CudaStreams
 from prefetchx._device_stage import Copying
-from prefetchx._device import CudaStreams
-from prefetchx._device_stage import Copying
-from tests.test_cuda import Images, MEAN, STD
 
 
 class NoFenceAfter(CudaStreams):
@@ -241,11 +235,11 @@ print("ok")
 
 
 def _sanitized(plant: bool) -> subprocess.CompletedProcess[str]:
-    code = f"PLANT = {plant}\n{_SANITIZED_LOOP}"
-    env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
-    return subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
+    # Imported here: the child loads this file by its path, and must import nothing from `tests`.
+    from tests.helpers import by_path, repo_env, run_python
+
+    code = f"PLANT = {plant}\n{by_path(__file__, 'Images', 'MEAN', 'STD')}\n{_SANITIZED_LOOP}"
+    return run_python(code, repo_env(TORCH_CUDA_SANITIZER="1"), timeout=300)
 
 
 def test_cuda_sanitizer_finds_no_stream_race() -> None:

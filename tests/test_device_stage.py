@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from prefetchx._device import Copies
-from prefetchx._device_stage import DeviceStage
+from prefetchx._device_stage import DeviceStage, _outliving
 from prefetchx._engine import Failure, Signal
 from prefetchx._normalize import Normalize
 from prefetchx._stats import EpochStats
 from prefetchx._thread_stage import ThreadStage
+from tests.fakecuda import FakeCuda
 
 
 class FakeStreams:
@@ -469,3 +470,165 @@ def test_without_streams_there_is_no_gpu_meter() -> None:
     list(stage)
     assert stage.stats.gpu_idle.count == 0
     assert math.isnan(stage.stats.as_dict()["gpu_idle_fraction"])
+
+
+# --- The real stage against a model of CUDA's streams and caching allocators (tests/fakecuda.py).
+# The consumer never completes its work: every batch is dropped while its step is still queued,
+# the worst case for memory reuse. The model reports what could race on a real GPU.
+
+
+@pytest.fixture(autouse=True)
+def _no_copies_outlive_the_test() -> Iterator[None]:
+    yield
+    _outliving.clear()  # records of closed stages, over events of a model that is gone
+
+
+def _model_stage(fake: FakeCuda, batches: list[Any], depth: int) -> DeviceStage:
+    normalize = Normalize((1.0, 2.0, 3.0), (2.0, 2.0, 2.0))
+    # What prepare() makes with fill kernels on the caller's stream before the first fence; the
+    # model cannot see a factory's device, so it gets them from its own kernel.
+    normalize._constants[torch.device("cpu")] = (
+        fake.on_device(torch.tensor([1.0, 2.0, 3.0])),
+        fake.on_device(torch.tensor([2.0, 2.0, 2.0])),
+    )
+    return DeviceStage(
+        Upstream(_handed_over(batches)),  # type: ignore[arg-type]
+        torch.device("cpu"),
+        copies=fake,  # type: ignore[arg-type]
+        streams=fake,  # type: ignore[arg-type]
+        normalize=normalize,
+        device_prefetch=depth,
+    )
+
+
+def _handed_over(batches: list[Any]) -> Iterator[Any]:
+    """The batches in order, each forgotten once handed over, as a producer does."""
+    while batches:
+        yield batches.pop(0)
+
+
+def _images(n: int) -> list[torch.Tensor]:
+    return [torch.full((2, 3, 4, 4), i, dtype=torch.uint8) for i in range(n)]
+
+
+def _expected(i: int) -> torch.Tensor:
+    return (torch.full((2, 3, 4, 4), float(i)) - torch.tensor([1.0, 2.0, 3.0]).view(1, 3, 1, 1)) / 2
+
+
+def _slow_consumer(fake: FakeCuda, stage: DeviceStage) -> list[torch.Tensor]:
+    """Queue a step on every batch and never complete it; return each step's result."""
+    results = []
+    for x, y in stage:
+        results.append(x * 2 + y.float().sum())  # queued on the caller's stream, never run
+    return results
+
+
+@pytest.mark.parametrize("depth", [0, 1, 3])
+@pytest.mark.parametrize("source", ["pinned", "user-pinned", "on-device"])
+def test_against_the_model_nothing_races_under_a_slow_consumer(depth: int, source: str) -> None:
+    fake = FakeCuda()
+    with fake:
+        if source == "pinned":
+            batches = [(fake.pin(x), fake.pin(torch.tensor([i]))) for i, x in enumerate(_images(8))]
+        elif source == "user-pinned":  # memory the host allocator does not manage
+            batches = [
+                (fake.user_pinned(x), fake.user_pinned(torch.tensor([i])))
+                for i, x in enumerate(_images(8))
+            ]
+        else:  # made on the device by the caller's stream, dropped by it once queued
+            batches = [
+                (fake.on_device(x), fake.on_device(torch.tensor([i])))
+                for i, x in enumerate(_images(8))
+            ]
+        stage = _model_stage(fake, batches, depth)
+        del batches
+        results = _slow_consumer(fake, stage)
+        fake.complete_all()
+    assert fake.hazards == []
+    assert fake.host_syncs == 0
+    for i, got in enumerate(results):
+        assert torch.equal(got, _expected(i) * 2 + i)
+
+
+class _Planted(FakeCuda):
+    """The model with the stage's protections removed by name."""
+
+    def __init__(self, *removed: str) -> None:
+        super().__init__()
+        self.removed = set(removed)
+
+    def side_waits_for(self, stream: Any) -> None:
+        if "fence" not in self.removed:
+            super().side_waits_for(stream)
+
+    def wait(self, stream: Any, event: Any) -> None:
+        if "event wait" not in self.removed:
+            super().wait(stream, event)
+
+    def protect(self, tensor: torch.Tensor, stream: Any) -> None:
+        if "protect" not in self.removed:
+            super().protect(tensor, stream)
+
+
+def _planted(removed: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> _Planted:
+    if "keep hosts" in removed:  # the stage forgets each host batch once its copy is queued
+        start = DeviceStage._start
+
+        def forgetting(self: DeviceStage, host: Any) -> tuple[Any, Any, Any]:
+            batch, event, _ = start(self, host)
+            return batch, event, None
+
+        monkeypatch.setattr(DeviceStage, "_start", forgetting)
+    return _Planted(*removed)
+
+
+def _run_model(fake: FakeCuda, source: str) -> None:
+    with fake:
+        make = {"pinned": fake.pin, "user-pinned": fake.user_pinned, "on-device": fake.on_device}
+        batches = [
+            (make[source](x), make[source](torch.tensor([i]))) for i, x in enumerate(_images(8))
+        ]
+        stage = _model_stage(fake, batches, 1)
+        del batches
+        _slow_consumer(fake, stage)
+        fake.complete_all()
+
+
+@pytest.mark.parametrize(
+    ("source", "removed", "hazard"),
+    [
+        ("pinned", ("fence", "protect"), "reuse hazard"),
+        ("pinned", ("event wait",), "ordering hazard"),
+        ("on-device", ("protect", "keep hosts"), "reuse hazard"),
+        ("user-pinned", ("keep hosts",), "host hazard"),
+    ],
+)
+def test_against_the_model_each_planted_fault_is_caught(
+    source: str, removed: tuple[str, ...], hazard: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The control for the test above: without it, a quiet model could be a blind one.
+    fake = _planted(removed, monkeypatch)
+    _run_model(fake, source)
+    assert any(line.startswith(hazard) for line in fake.hazards), fake.hazards
+
+
+@pytest.mark.parametrize(
+    ("source", "removed"),
+    [
+        ("pinned", ("fence",)),
+        ("pinned", ("protect",)),
+        ("on-device", ("protect",)),
+        ("on-device", ("keep hosts",)),
+    ],
+)
+def test_against_the_model_each_protection_alone_keeps_memory_from_reuse(
+    source: str, removed: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The stage has two protections against each reuse: for a batch it hands over, the fence
+    # and record_stream; for a source already on the device, record_stream for the side stream
+    # and the host batch it keeps until the copy is done. Either alone suffices with one caller
+    # stream; both stay (the fence also orders copies after the caller's writes, record_stream
+    # also covers a caller that switches streams).
+    fake = _planted(removed, monkeypatch)
+    _run_model(fake, source)
+    assert not [line for line in fake.hazards if line.startswith("reuse hazard")], fake.hazards

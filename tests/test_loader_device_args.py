@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import threading
 import time
@@ -12,9 +13,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from prefetchx import DataLoaderX
+from prefetchx import DataLoaderX, Prefetcher, _thread_stage
 from prefetchx._loader import _refuses_pinning
 from prefetchx._normalize import Normalize
+from prefetchx._pipeline import Pipeline
+from tests.fakecuda import FakeCuda
 
 MEAN, STD = (10.0, 20.0, 30.0), (2.0, 4.0, 8.0)
 
@@ -152,3 +155,128 @@ def test_pin_memory_keeps_dataloaders_default_and_an_explicit_false_warns_once()
         assert not _refuses_pinning(dataset, (), {"pin_memory": True})
     with pytest.warns(UserWarning, match=r"pin_memory=False.*synchronous.*Leave pin_memory unset"):
         assert _refuses_pinning(dataset, (1, False, None, None, 0, None, False), {})
+
+
+# --- A CUDA target, with CUDA replaced by the model of tests/fakecuda.py.
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+    """Loaders built with ``device="cpu"`` target a modelled ``cuda:0`` when they iterate."""
+    fake = FakeCuda()
+    fake.pinned_in: list[str] = []  # type: ignore[attr-defined]
+    pin = fake.pin
+
+    def recording_pin(tensor: torch.Tensor) -> torch.Tensor:
+        fake.pinned_in.append(threading.current_thread().name)  # type: ignore[attr-defined]
+        return pin(tensor)
+
+    fake.pin = recording_pin  # type: ignore[method-assign]
+
+    def side_streams(self: Pipeline) -> FakeCuda:
+        self._streams = fake  # type: ignore[assignment]
+        return fake
+
+    monkeypatch.setattr(Pipeline, "target", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(Pipeline, "_side_streams", side_streams)
+    monkeypatch.setattr(_thread_stage, "set_thread_device", lambda device: None)
+    return fake
+
+
+def _on_model_device(fake: FakeCuda, normalize: Normalize) -> None:
+    """The constants prepare() makes with fill kernels, as the model's device tensors."""
+    assert normalize.mean is not None
+    assert normalize.std is not None
+    constants = (
+        fake.on_device(torch.tensor(normalize.mean)),
+        fake.on_device(torch.tensor(normalize.std)),
+    )
+    for device in (torch.device("cpu"), torch.device("cuda", 0)):
+        normalize._constants[device] = constants
+
+
+@dataclasses.dataclass
+class Pair:
+    image: torch.Tensor
+    label: torch.Tensor
+
+
+def _pairs(items: list[dict[str, Any]]) -> Pair:
+    return Pair(torch.stack([d["image"] for d in items]), torch.tensor([d["label"] for d in items]))
+
+
+@pytest.mark.parametrize("collate", ["default", "dataclass"])
+def test_with_a_cuda_target_every_host_leaf_is_pinned_before_its_copy(
+    fake_gpu: FakeCuda, collate: str
+) -> None:
+    # DataLoader's pin_memory returns dataclass batches unpinned; the thread pins every leaf.
+    kwargs: dict[str, Any] = {"batch_size": 2}
+    if collate == "dataclass":
+        kwargs["collate_fn"] = _pairs
+    expected = list(DataLoader(Images(), **kwargs))
+    loader = DataLoaderX(Images(), device="cpu", input_key="image", **kwargs)
+    with fake_gpu:
+        got = list(loader)
+        fake_gpu.complete_all()
+    assert fake_gpu.host_syncs == 0, fake_gpu.host_sync_reasons  # every copy from pinned memory
+    assert fake_gpu.hazards == []
+    leaves = 2  # image and label (the names are strings)
+    assert len(fake_gpu.pinned_in) == leaves * len(expected)  # type: ignore[attr-defined]
+    # The first batch is made, and so pinned, in the caller's thread; the rest in the thread.
+    assert set(fake_gpu.pinned_in[leaves:]) == {"prefetchx-thread"}  # type: ignore[attr-defined]
+    for ours, theirs in zip(got, expected, strict=True):
+        if collate == "dataclass":
+            assert torch.equal(ours.image, theirs.image)
+            assert torch.equal(ours.label, theirs.label)
+        else:
+            assert torch.equal(ours["image"], theirs["image"])
+            assert ours["name"] == theirs["name"]
+
+
+def test_without_pinning_every_copy_makes_the_host_wait(fake_gpu: FakeCuda) -> None:
+    loader = DataLoaderX(Images(), batch_size=2, device="cpu")
+    loader._pipeline.pin_host = False  # what pin_memory=False sets with a CUDA target
+    with fake_gpu:
+        assert len(list(loader)) == 3
+        fake_gpu.complete_all()
+    assert fake_gpu.host_syncs == 3 * 2  # image and label of each batch, copied from pageable
+    assert fake_gpu.pinned_in == []  # type: ignore[attr-defined]
+
+
+class OnDevice(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
+    """Items the caller's code made on the device (a GPU-resident dataset)."""
+
+    def __init__(self, fake: FakeCuda) -> None:
+        self.fake = fake
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.fake.on_device(torch.full((3, 2, 2), 10 * i, dtype=torch.uint8)), i
+
+
+@pytest.mark.parametrize("wrap", ["DataLoaderX", "Prefetcher"])
+def test_a_dataset_on_the_device_is_not_pinned_nor_copied_and_nothing_races(
+    fake_gpu: FakeCuda, wrap: str
+) -> None:
+    # In the caller's thread (max_prefetch=0), where the model sees the collate's kernels.
+    kwargs: dict[str, Any] = {"mean": MEAN, "std": STD, "max_prefetch": 0, "device": "cpu"}
+    with fake_gpu:
+        if wrap == "DataLoaderX":
+            batches: Any = DataLoaderX(OnDevice(fake_gpu), batch_size=2, **kwargs)
+        else:
+            batches = Prefetcher(DataLoader(OnDevice(fake_gpu), batch_size=2), **kwargs)
+        _on_model_device(fake_gpu, batches._pipeline.normalize)
+        got = [(x * 1, y) for x, y in batches]  # a step queued on each, never run
+        fake_gpu.complete_all()
+    assert fake_gpu.hazards == []
+    assert fake_gpu.host_syncs == 0
+    # Only the labels, collated on the host, are pinned; the images were on the device.
+    assert len(fake_gpu.pinned_in) == 3  # type: ignore[attr-defined]
+    for i, (x, y) in enumerate(got):
+        images = torch.stack(
+            [torch.full((3, 2, 2), 10 * j, dtype=torch.uint8) for j in (2 * i, 2 * i + 1)]
+        )
+        assert torch.equal(x, _expected(images))
+        assert y.tolist() == [2 * i, 2 * i + 1]

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 import warnings
+from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from prefetchx._normalize import Normalize
 
@@ -27,19 +32,18 @@ def _reference(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return ((x.to(work) - mean) / std).to(dtype)
 
 
-@pytest.mark.parametrize(
-    "dtype",
-    [
-        None,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.float64,
-        # Computed in float32 like float16: there is no float8 arithmetic, only casts.
-        torch.float8_e4m3fn,
-        torch.float8_e5m2,
-    ],
-)
+_OUTPUTS = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    # Computed in float32 like float16: there is no float8 arithmetic, only casts.
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
+
+
+@pytest.mark.parametrize("dtype", [None, *_OUTPUTS])
 def test_values_match_the_reference(dtype: torch.dtype | None) -> None:
     x = _images()
     out = Normalize(MEAN, STD, dtype)(x)
@@ -211,6 +215,177 @@ def test_constants_at_the_edge_of_float32_are_taken(dtype: torch.dtype | None) -
 def test_mean_and_std_may_be_tensors() -> None:
     out = Normalize(torch.tensor(MEAN), torch.tensor(STD))(_images())
     torch.testing.assert_close(out, _reference(_images(), torch.float32), rtol=0, atol=0)
+
+
+# --- fewer passes, the same bits (#13 defect 7) ----------------------------------------------
+
+
+def _old_formula(
+    x: torch.Tensor, dtype: torch.dtype, channels_last: bool, mean: tuple[float, ...] = MEAN
+) -> torch.Tensor:
+    """What Normalize computed before it was fused: cast, subtract, divide, cast, reformat."""
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    mean_t = torch.tensor(mean, dtype=work).view(shape)
+    std_t = torch.tensor(STD[: len(mean)], dtype=work).view(shape)
+    out = ((x.to(work) - mean_t) / std_t).to(dtype)
+    return out.contiguous(memory_format=torch.channels_last) if channels_last else out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as integers: equal bits, -0.0 apart from 0.0 and NaN equal to itself."""
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(as_int[t.element_size()])
+
+
+def _inputs(dtype: torch.dtype, dims: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    shape = (4, 3, 6, 5) if dims == 4 else (4, 3, 7)
+    if dtype == torch.uint8:
+        return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+    # Wide values, some past float16's range, so that every output dtype rounds and saturates.
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * 3e4).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", _OUTPUTS, ids=str)
+@pytest.mark.parametrize(
+    "source", [torch.uint8, torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str
+)
+@pytest.mark.parametrize(("dims", "channels_last"), [(4, False), (4, True), (3, False)])
+def test_values_are_those_of_the_unfused_formula_bit_for_bit(
+    dtype: torch.dtype, source: torch.dtype, dims: int, channels_last: bool
+) -> None:
+    x = _inputs(source, dims)
+    before = x.clone()
+    out = Normalize(MEAN, STD, dtype, channels_last)(x)
+    expected = _old_formula(x, dtype, channels_last)
+    assert out.dtype == expected.dtype
+    assert out.shape == expected.shape
+    assert out.stride() == expected.stride()
+    assert torch.equal(_bits(out), _bits(expected))
+    assert torch.equal(x, before)  # the input is left as it was
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_dtype_alone_is_one_cast_after_channels_last(
+    dtype: torch.dtype, channels_last: bool
+) -> None:
+    x = _inputs(torch.uint8, 4)
+    out = Normalize(dtype=dtype, channels_last=channels_last)(x)
+    expected = x.to(dtype)
+    if channels_last:
+        expected = expected.contiguous(memory_format=torch.channels_last)
+    assert out.stride() == expected.stride()
+    assert torch.equal(_bits(out), _bits(expected))
+
+
+class _Passes(TorchDispatchMode):
+    """Records every aten op that makes a new tensor as large as ``like``: a pass over it.
+
+    Allocations and views are not passes.
+    """
+
+    NOT_PASSES = ("empty", "empty_like", "empty_strided", "view", "_unsafe_view", "select")
+
+    def __init__(self, like: torch.Tensor) -> None:
+        super().__init__()
+        self.numel = like.numel()
+        self.passes: list[tuple[str, list[torch.dtype], torch.dtype]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if name not in self.NOT_PASSES and any(t.numel() == self.numel for t in outputs):
+            inputs = [
+                t.dtype for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+            ]
+            self.passes.append((name, inputs, outputs[0].dtype))
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_normalization_is_two_float_passes_after_a_uint8_channels_last(dtype: torch.dtype) -> None:
+    x = _inputs(torch.uint8, 4)
+    normalize = Normalize(MEAN, STD, dtype, channels_last=True)
+    normalize(x)  # the constants are made at the first use: count the passes of the next
+    with _Passes(x) as recorded:
+        normalize(x)
+    layout, *arithmetic = recorded.passes
+    assert layout == ("clone", [torch.uint8], torch.uint8)  # channels_last, 1 byte an element
+    assert [name for name, _, _ in arithmetic] in (["sub", "div_"], ["sub", "div"])
+    assert arithmetic[0][1][0] == torch.uint8  # the cast happens inside the subtraction
+    assert arithmetic[-1][2] == dtype  # the division writes the output dtype: no cast after
+
+
+def test_a_cast_alone_is_one_pass_after_a_uint8_channels_last() -> None:
+    x = _inputs(torch.uint8, 4)
+    with _Passes(x) as recorded:
+        Normalize(dtype=torch.bfloat16, channels_last=True)(x)
+    assert recorded.passes == [
+        ("clone", [torch.uint8], torch.uint8),
+        ("_to_copy", [torch.uint8], torch.bfloat16),
+    ]
+
+
+def test_prepare_makes_the_constants_once_without_a_copy() -> None:
+    normalize = Normalize(MEAN, STD, torch.float16)
+    cpu = torch.device("cpu")
+    with _Passes(torch.empty(3)) as recorded:  # every op that makes a 3-element tensor
+        normalize.prepare(cpu)
+    assert {name for name, _, _ in recorded.passes} <= {"fill_"}  # no host-to-device copy
+    mean, std = normalize._constants[cpu]
+    assert mean.shape == std.shape == (3,)
+    assert torch.equal(_bits(mean), _bits(torch.tensor(MEAN, dtype=torch.float32)))
+    assert torch.equal(_bits(std), _bits(torch.tensor(STD, dtype=torch.float32)))
+    normalize.prepare(cpu)
+    assert normalize._constants[cpu][0] is mean  # once per device
+    x = _images()
+    with _Passes(torch.empty(3)) as recorded:
+        out = normalize(x)
+    assert recorded.passes == []  # __call__ uses them, viewed: it makes none
+    assert torch.equal(_bits(out), _bits(_reference(x, torch.float16)))
+
+
+def test_prepare_without_mean_and_std_does_nothing() -> None:
+    normalize = Normalize(dtype=torch.float16, channels_last=True)
+    normalize.prepare(torch.device("cpu"))
+    assert normalize._constants == {}
+
+
+@pytest.mark.parametrize(
+    "action", [copy.copy, copy.deepcopy, lambda n: pickle.loads(pickle.dumps(n))]
+)
+def test_a_used_normalize_copies_and_pickles_without_its_constants(action: Any) -> None:
+    normalize = Normalize(MEAN, STD, torch.bfloat16, channels_last=True)
+    x = _images()
+    expected = normalize(x)
+    copied = action(normalize)
+    assert copied._constants == {}  # made again where the copy is used
+    assert normalize._constants  # the original keeps its own
+    assert torch.equal(_bits(copied(x)), _bits(expected))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", _OUTPUTS, ids=str)
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_on_a_gpu_nothing_synchronizes_and_the_bits_are_the_cpus(
+    dtype: torch.dtype, channels_last: bool
+) -> None:
+    x = _inputs(torch.uint8, 4)
+    on_gpu = x.cuda()
+    normalize = Normalize(MEAN, STD, dtype, channels_last)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a blocking copy or a sync raises
+    try:
+        normalize.prepare(on_gpu.device)
+        out = normalize(on_gpu)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    expected = _old_formula(x, dtype, channels_last)
+    assert out.stride() == expected.stride()
+    assert torch.equal(_bits(out.cpu()), _bits(expected))
 
 
 def test_a_negative_std_warns_naming_std_and_the_value() -> None:

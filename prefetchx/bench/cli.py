@@ -86,21 +86,9 @@ def _jpeg() -> list[dict[str, Any]]:
 
 
 def _cuda() -> dict[str, Any]:
-    from prefetchx.bench.cuda import measure_copy, measure_step
+    from prefetchx.bench.cuda import report
 
-    print(f"\n== CUDA: {torch.cuda.get_device_name()} ==")
-    print(f"{'MB':>6} {'raw GB/s':>9} {'prefetchx GB/s':>15} {'ratio':>6}")
-    copies = []
-    for mb in (4, 16, 64, 256):
-        c = measure_copy(mb)
-        print(f"{mb:>6} {c.raw_gbps:>9.1f} {c.prefetchx_gbps:>15.1f} {c.ratio:>6.2f}", flush=True)
-        copies.append(asdict(c))
-    print(f"\n{'arm':>12} {'epoch ms':>9} {'vs data-on-gpu':>15}")
-    steps = []
-    for s in measure_step():
-        print(f"{s.arm:>12} {s.epoch_s * 1e3:>9.1f} {s.vs_bound:>14.3f}x", flush=True)
-        steps.append(asdict(s))
-    return {"copy": copies, "step": steps}
+    return report()
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -1,19 +1,24 @@
-"""GPU benchmarks: device-stage copy bandwidth, and an end-to-end step against other prefetchers.
+"""GPU benchmarks: the device stage's copy bandwidth, whether the caller blocks, an end-to-end
+step against other prefetchers, and the GPU stall meter's cost and accuracy.
 
-Timed with CUDA events after a warm-up; medians of rounds; arms interleaved. Runs only where
-CUDA is present.
+Timed with CUDA events; medians of rounds; arms interleaved. Runs only where CUDA is present.
+Every arm that needs a loader gets the same one (the same workers, pinning and batches), so the
+arms differ only in how batches reach the GPU.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from prefetchx._device import CudaStreams
 from prefetchx._loader import DataLoaderX
 from prefetchx.bench.jpeg import MEAN, STD
 
@@ -32,9 +37,13 @@ class _Repeat(Dataset[torch.Tensor]):
         return self.tensor
 
 
+def _event() -> Any:
+    return torch.cuda.Event(enable_timing=True)
+
+
 def _events_time(fn: Callable[[], None]) -> float:
     """Seconds ``fn`` takes on the current stream, by CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start, end = _event(), _event()
     start.record()
     fn()
     end.record()
@@ -44,7 +53,8 @@ def _events_time(fn: Callable[[], None]) -> float:
 
 @dataclass
 class CopyResult:
-    """Host-to-device bandwidth of the device stage against a raw pinned copy."""
+    """Host-to-device bandwidth of the device stage against a raw pinned copy on a side stream,
+    both timed from the end of the first batch's copy to the end of the last (start-up left out)."""
 
     megabytes: int
     raw_gbps: float
@@ -63,102 +73,184 @@ def measure_copy(megabytes: int, batches: int = 20, rounds: int = 5) -> CopyResu
         _Repeat(host, batches), batch_size=None, device=device
     )
 
-    def raw() -> None:
-        side.wait_stream(torch.cuda.current_stream())
+    def raw() -> float:
+        consumer = torch.cuda.current_stream()
+        side.wait_stream(consumer)
         with torch.cuda.stream(side):
-            for _ in range(batches):
+            dest.copy_(host, non_blocking=True)
+        consumer.wait_stream(side)
+        start, end = _event(), _event()
+        start.record()
+        side.wait_stream(consumer)
+        with torch.cuda.stream(side):
+            for _ in range(batches - 1):
                 dest.copy_(host, non_blocking=True)
-        torch.cuda.current_stream().wait_stream(side)
+        consumer.wait_stream(side)
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end)) / 1e3
 
-    def ours() -> None:
-        for batch in loader:
+    def ours() -> float:
+        start, end = _event(), _event()
+        for i, batch in enumerate(loader):
+            if i == 0:
+                start.record()  # after the stream's wait for the first batch
             del batch
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end)) / 1e3
 
     raw()
     ours()  # warm-up: allocator, streams, thread
     times: dict[str, list[float]] = {"raw": [], "prefetchx": []}
+    arms = {"raw": raw, "prefetchx": ours}
     for r in range(rounds):
-        for name, fn in (
-            [("raw", raw), ("prefetchx", ours)]
-            if r % 2 == 0
-            else [("prefetchx", ours), ("raw", raw)]
-        ):
-            times[name].append(_events_time(fn))
-    gb = megabytes * 2**20 * batches / 1e9
+        for name in ("raw", "prefetchx") if r % 2 == 0 else ("prefetchx", "raw"):
+            times[name].append(arms[name]())
+    gb = megabytes * 2**20 * (batches - 1) / 1e9
     raw_gbps = gb / statistics.median(times["raw"])
     ours_gbps = gb / statistics.median(times["prefetchx"])
     return CopyResult(megabytes, raw_gbps, ours_gbps, ours_gbps / raw_gbps)
 
 
-class _Images(Dataset[tuple[torch.Tensor, int]]):
-    """uint8 3x224x224 images made once and served from memory, with labels."""
+@dataclass
+class BlockingResult:
+    """How long ``next()`` holds the caller while its stream is still busy, pinned vs pageable.
 
-    def __init__(self, n: int) -> None:
+    The caller queues ``busy_ms`` of GPU work, then asks for a batch whose copy is not started
+    yet (``device_prefetch=0``). From pinned memory the copy is queued behind the fence and
+    ``next()`` returns at once; from pageable memory the copy is synchronous, so the caller waits
+    for its own queued work first.
+    """
+
+    megabytes: int
+    busy_ms: float
+    pinned_next_ms: float
+    pageable_next_ms: float
+
+
+def measure_blocking(megabytes: int = 64, busy_ms: float = 50.0, rounds: int = 5) -> BlockingResult:
+    """Host time of ``next()`` behind ``busy_ms`` of queued GPU work, pinned vs pageable."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    host = torch.full((megabytes * 2**20,), 7, dtype=torch.uint8)
+    cycles = _cycles_per_ms() * busy_ms
+    times: dict[str, list[float]] = {"pinned": [], "pageable": []}
+    for r in range(rounds):
+        for name in ("pinned", "pageable") if r % 2 == 0 else ("pageable", "pinned"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # pin_memory=False warns: that is the point
+                loader: DataLoaderX[torch.Tensor] = DataLoaderX(
+                    _Repeat(host, 3),
+                    batch_size=None,
+                    device=device,
+                    device_prefetch=0,
+                    pin_memory=name == "pinned",
+                )
+            it = iter(loader)
+            next(it)
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(cycles))
+            start = time.perf_counter()
+            next(it)
+            times[name].append((time.perf_counter() - start) * 1e3)
+            it.close()
+            torch.cuda.synchronize()
+    return BlockingResult(
+        megabytes,
+        busy_ms,
+        statistics.median(times["pinned"]),
+        statistics.median(times["pageable"]),
+    )
+
+
+def _cycles_per_ms() -> float:
+    """GPU clock cycles of ``torch.cuda._sleep`` per millisecond, measured."""
+    cycles = 10_000_000
+    start, end = _event(), _event()
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / float(start.elapsed_time(end))
+
+
+class _Images(Dataset[tuple[torch.Tensor, int]]):
+    """uint8 3x224x224 images made once and served from memory, with labels; optionally slow."""
+
+    def __init__(self, n: int, delay_s: float = 0.0) -> None:
         g = torch.Generator().manual_seed(0)
         self.images = torch.randint(0, 256, (n, 3, 224, 224), dtype=torch.uint8, generator=g)
+        self.delay_s = delay_s
 
     def __len__(self) -> int:
         return len(self.images)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        if self.delay_s:
+            time.sleep(self.delay_s)
         return self.images[i], i % 10
 
 
 class ApexStylePrefetcher:
-    """apex's ``data_prefetcher`` algorithm: a side stream, one batch ahead, float and
+    """apex's ``data_prefetcher`` algorithm, its stream made once: one batch ahead, float and
     normalize on the side stream, ``wait_stream`` and ``record_stream`` when handing over."""
 
     def __init__(self, loader: Iterable[Any], device: torch.device) -> None:
-        self.loader = iter(loader)
+        self.loader = loader
         self.stream = torch.cuda.Stream(device=device)
         self.device = device
         self.mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1)
         self.std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
-        self.next: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._preload()
 
-    def _preload(self) -> None:
+    def _preload(self, it: Iterator[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
         try:
-            x, y = next(self.loader)
+            x, y = next(it)
         except StopIteration:
-            self.next = None
-            return
+            return None
         with torch.cuda.stream(self.stream):
             x = x.to(self.device, non_blocking=True).float().sub_(self.mean).div_(self.std)
             y = y.to(self.device, non_blocking=True)
-        self.next = (x, y)
+        return x, y
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        while self.next is not None:
+        it = iter(self.loader)
+        ahead = self._preload(it)
+        while ahead is not None:
             torch.cuda.current_stream().wait_stream(self.stream)
-            x, y = self.next
+            x, y = ahead
             x.record_stream(torch.cuda.current_stream())
             y.record_stream(torch.cuda.current_stream())
-            self._preload()
+            ahead = self._preload(it)
             yield x, y
 
 
-def timm_style_prefetcher(
-    loader: Iterable[Any], device: torch.device
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """timm's ``PrefetchLoader`` algorithm: a new side stream per epoch, copy and normalize
-    there, yield the previous batch after ``wait_stream``; no ``record_stream``."""
-    stream = torch.cuda.Stream(device=device)
-    mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1)
-    std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
-    first = True
-    current: tuple[torch.Tensor, torch.Tensor] | None = None
-    for x, y in loader:
-        with torch.cuda.stream(stream):
-            nx = x.to(device, non_blocking=True).float().sub_(mean).div_(std)
-            ny = y.to(device, non_blocking=True)
-        if not first and current is not None:
+class TimmStylePrefetcher:
+    """timm's ``PrefetchLoader`` algorithm as of timm 1.0.31: one stream for the loader's life;
+    before each batch's copy the side stream waits for the consumer's stream, after it the
+    consumer's stream waits for the side stream; no ``record_stream``."""
+
+    def __init__(self, loader: Iterable[Any], device: torch.device) -> None:
+        self.loader = loader
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self.mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        consumer = torch.cuda.current_stream(self.device)
+        current: tuple[torch.Tensor, torch.Tensor] | None = None
+        for x, y in self.loader:
+            self.stream.wait_stream(consumer)
+            with torch.cuda.stream(self.stream):
+                nx = x.to(self.device, non_blocking=True).float().sub_(self.mean).div_(self.std)
+                ny = y.to(self.device, non_blocking=True)
+            if current is not None:
+                yield current
+            consumer = torch.cuda.current_stream(self.device)
+            consumer.wait_stream(self.stream)
+            current = (nx, ny)
+        if current is not None:
             yield current
-        first = False
-        torch.cuda.current_stream().wait_stream(stream)
-        current = (nx, ny)
-    if current is not None:
-        yield current
 
 
 @dataclass
@@ -170,13 +262,9 @@ class StepResult:
     vs_bound: float
 
 
-def measure_step(
-    batches: int = 24, batch_size: int = 64, rounds: int = 5, channels: int = 64
-) -> list[StepResult]:
-    """A small conv net trained on uint8 3x224x224 batches, fed five ways."""
-    device = torch.device("cuda", torch.cuda.current_device())
+def _model(device: torch.device, channels: int) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
+    return torch.nn.Sequential(
         torch.nn.Conv2d(3, channels, 7, stride=2, padding=3),
         torch.nn.ReLU(),
         torch.nn.Conv2d(channels, channels, 3, padding=1),
@@ -187,19 +275,43 @@ def measure_step(
         torch.nn.Flatten(),
         torch.nn.Linear(channels, 10),
     ).to(device)
+
+
+def measure_step(
+    batches: int = 24,
+    batch_size: int = 64,
+    rounds: int = 5,
+    channels: int = 64,
+    num_workers: int = 4,
+) -> list[StepResult]:
+    """A small conv net trained on uint8 3x224x224 batches, fed five ways from the same workers.
+
+    plain (``.to`` and normalize in the loop), apex-style and timm-style prefetchers all iterate
+    one ``DataLoader`` with ``num_workers`` persistent workers and ``pin_memory=True``;
+    DataLoaderX has the same workers (it pins in its thread); the bound iterates batches already
+    normalized on the GPU.
+    """
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = _model(device, channels)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1)
     std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
     dataset = _Images(batches * batch_size)
-    common: dict[str, Any] = {"batch_size": batch_size, "pin_memory": True}
+    workers: dict[str, Any] = {
+        "batch_size": batch_size,
+        "num_workers": num_workers,
+        "persistent_workers": num_workers > 0,
+    }
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         optimizer.zero_grad(set_to_none=True)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
 
-    plain_loader = DataLoader(dataset, **common)
-    ours: DataLoaderX[Any] = DataLoaderX(dataset, device=device, mean=MEAN, std=STD, **common)
+    plain_loader = DataLoader(dataset, pin_memory=True, **workers)
+    ours: DataLoaderX[Any] = DataLoaderX(dataset, device=device, mean=MEAN, std=STD, **workers)
+    apex_style = ApexStylePrefetcher(plain_loader, device)
+    timm_style = TimmStylePrefetcher(plain_loader, device)
     on_gpu = [((x.to(device).float() - mean) / std, y.to(device)) for x, y in plain_loader]
 
     def plain() -> None:
@@ -209,39 +321,124 @@ def measure_step(
                 y.to(device, non_blocking=True),
             )
 
-    def apex() -> None:
-        for x, y in ApexStylePrefetcher(plain_loader, device):
-            step(x, y)
+    def over(batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
+        def run() -> None:
+            for x, y in batches:
+                step(x, y)
 
-    def timm() -> None:
-        for x, y in timm_style_prefetcher(plain_loader, device):
-            step(x, y)
-
-    def prefetchx() -> None:
-        for x, y in ours:
-            step(x, y)
-
-    def bound() -> None:
-        for x, y in on_gpu:
-            step(x, y)
+        return run
 
     arms = {
         "plain": plain,
-        "apex-style": apex,
-        "timm-style": timm,
-        "prefetchx": prefetchx,
-        "data-on-gpu": bound,
+        "apex-style": over(apex_style),
+        "timm-style": over(timm_style),
+        "prefetchx": over(ours),
+        "data-on-gpu": over(on_gpu),
     }
     for fn in arms.values():
-        fn()  # warm-up
+        fn()  # warm-up: workers started, allocator pools filled
     times: dict[str, list[float]] = {name: [] for name in arms}
     names = list(arms)
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             torch.cuda.synchronize()
             times[name].append(_events_time(arms[name]))
+    ours.close()
     bound_s = statistics.median(times["data-on-gpu"])
     return [
         StepResult(name, statistics.median(t), statistics.median(t) / bound_s)
         for name, t in times.items()
     ]
+
+
+@dataclass
+class MeterResult:
+    """The GPU stall meter: its cost per batch, and its idle time against a check without it.
+
+    ``cost_us``: host time of a batch's two timing events and their reading, per batch.
+    With a producer delay injected per batch, the epoch grows by the time the GPU waited; the
+    meter should report about the same growth in ``gpu_idle``: ``idle_growth_s`` against
+    ``epoch_growth_s``, per batch.
+    """
+
+    cost_us: float
+    delay_ms: float
+    epoch_growth_ms: float
+    idle_growth_ms: float
+
+
+def measure_meter(batches: int = 32, batch_size: int = 16, delay_ms: float = 5.0) -> MeterResult:
+    """The meter's per-batch cost, and whether its idle time matches an injected delay."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    streams = CudaStreams(device)
+    consumer = streams.consumer()
+    n = 10_000
+    start = time.perf_counter()
+    for _ in range(n):
+        asked = streams.mark(consumer, timing=True)
+        handed = streams.mark(consumer, timing=True)
+        if streams.done(handed):
+            streams.elapsed_s(asked, handed)
+    cost_us = (time.perf_counter() - start) / n * 1e6
+    torch.cuda.synchronize()
+
+    model = _model(device, 32)
+    per_item = delay_ms / 1e3 / batch_size
+    results = {}
+    for delay in (0.0, per_item):
+        loader: DataLoaderX[Any] = DataLoaderX(
+            _Images(batches * batch_size, delay), batch_size=batch_size, device=device,
+            mean=MEAN, std=STD,
+        )  # fmt: skip
+        epoch = _training(model, loader)
+        epoch()  # warm-up
+        epoch_s = _events_time(epoch)
+        torch.cuda.synchronize()
+        results[delay] = (epoch_s, loader.stats.gpu_idle.total)
+    (base_epoch, base_idle), (slow_epoch, slow_idle) = results[0.0], results[per_item]
+    return MeterResult(
+        cost_us,
+        delay_ms,
+        (slow_epoch - base_epoch) / batches * 1e3,
+        (slow_idle - base_idle) / (batches - 1) * 1e3,
+    )
+
+
+def _training(model: torch.nn.Module, loader: Iterable[Any]) -> Callable[[], None]:
+    def epoch() -> None:
+        with torch.no_grad():
+            for x, _ in loader:
+                model(x)
+
+    return epoch
+
+
+def report() -> dict[str, Any]:
+    """Run every GPU measurement, print a table for each, and return them all."""
+    print(f"\n== CUDA: {torch.cuda.get_device_name()} ==")
+    print("copy bandwidth, timed from the first batch (target >= 0.90 of raw from 16 MB up)")
+    print(f"{'MB':>6} {'raw GB/s':>9} {'prefetchx GB/s':>15} {'ratio':>6}")
+    copies = []
+    for mb in (4, 16, 64, 256):
+        c = measure_copy(mb)
+        print(f"{mb:>6} {c.raw_gbps:>9.1f} {c.prefetchx_gbps:>15.1f} {c.ratio:>6.2f}", flush=True)
+        copies.append(asdict(c))
+    b = measure_blocking()
+    print(
+        f"\nnext() behind {b.busy_ms:.0f} ms of queued GPU work, {b.megabytes} MB batch: "
+        f"pinned {b.pinned_next_ms:.1f} ms, pageable {b.pageable_next_ms:.1f} ms",
+        flush=True,
+    )
+    print(f"\n{'arm':>12} {'epoch ms':>9} {'vs data-on-gpu':>15}  (same workers for every arm)")
+    steps = []
+    for s in measure_step():
+        print(f"{s.arm:>12} {s.epoch_s * 1e3:>9.1f} {s.vs_bound:>14.3f}x", flush=True)
+        steps.append(asdict(s))
+    m = measure_meter()
+    print(
+        f"\nGPU stall meter: {m.cost_us:.1f} us per batch; with {m.delay_ms:.0f} ms of producer "
+        f"delay per batch the epoch grew {m.epoch_growth_ms:.2f} ms per batch and the meter's "
+        f"idle time {m.idle_growth_ms:.2f} ms",
+        flush=True,
+    )
+    return {"copy": copies, "blocking": asdict(b), "step": steps, "meter": asdict(m)}
