@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -31,6 +32,9 @@ class Normalize:
         ValueError: Only one of ``mean``/``std``, different lengths, an empty sequence, a
             non-floating ``dtype``, or a value that is not finite, a ``std`` that is 0 or whose
             reciprocal is not finite, in the dtype the arithmetic runs in.
+
+    Warns:
+        UserWarning: A negative ``std``: legal (it flips the channel's sign), rarely meant.
     """
 
     def __init__(
@@ -65,6 +69,14 @@ class Normalize:
         self.dtype = dtype
         if self.mean is not None and self.std is not None and dtype is not None:
             _check_constants(self.mean, self.std, _work_dtype(dtype))
+        if self.std is not None and min(self.std) < 0:  # legal, but almost always a mistake
+            channel = next(i for i, s in enumerate(self.std) if s < 0)
+            warnings.warn(
+                f"`std` is negative on channel {channel}, {self.std[channel]}: it flips the sign "
+                "of that channel's output; a standard deviation is positive.",
+                UserWarning,
+                stacklevel=4,  # the DataLoaderX(...) or Prefetcher(...) call, through Pipeline
+            )
         if not isinstance(channels_last, bool):
             raise TypeError(f"`channels_last` must be a bool, got {channels_last!r}.")
         self.channels_last = channels_last

@@ -128,6 +128,9 @@ class EpochStats:
       what data loading costs the GPU. Read from completed events only, so the last batches
       may be missing while the GPU is still running their steps.
 
+    Each of these series has ``total``, ``count``, ``mean`` and ``percentile(q)`` (0-100, over
+    the most recent 4096 samples); durations are in seconds, ``nan`` before any sample.
+
     Examples:
         >>> from prefetchx import DataLoaderX
         >>> loader = DataLoaderX(range(8), batch_size=2)
@@ -151,7 +154,7 @@ class EpochStats:
         a CUDA device stage or before its events complete."""
 
     def fold(self) -> None:
-        """Fold every series' pending samples (see `Series`)."""
+        """Bring every total up to date now; reading one does it by itself."""
         for series in (self.wait, self.step, self.produce, self.occupancy, self.gpu_idle):
             series.fold()
 

@@ -288,9 +288,9 @@ class ThreadStage(Iterator[T], Generic[T]):
     Nothing happens before the first ``next()``: it makes the first item in the caller's thread
     (so whatever the source does first, such as a sampler's random draw, happens where and when
     it would without the stage), then starts the thread for the rest. The thread is a
-    `prefetch_generator.BackgroundGenerator` whose defects are fixed (see `_Producer`). Warnings
-    the source raises in the thread are shown in the caller's thread with the item they came
-    with.
+    `prefetch_generator.BackgroundGenerator` whose defects are fixed: it stops when asked, and
+    hands on every exception. Warnings the source raises in the thread are shown in the
+    caller's thread with the item they came with.
 
     Leaving the stage never waits for the thread: dropping it (garbage collection, an early
     ``break``) or an interrupt asks the thread to stop; a source the thread is not inside is
@@ -301,10 +301,10 @@ class ThreadStage(Iterator[T], Generic[T]):
     next ``next()``.
 
     A thread only helps when the consumer does work between items: with a step shorter than
-    `INLINE_BELOW_S` (median of `ADAPT_WINDOW` items) the hand-off would cost more than it
-    hides, so the thread parks and the consumer pulls items itself, in order, until its steps
-    grow longer than `THREAD_ABOVE_S`; then the thread takes over again. Only one of the two
-    ever calls the source at a time.
+    50 us (the median of its last 16 steps) the hand-off would cost more than it hides, so the
+    thread parks and the consumer pulls items itself, in order, until its steps grow longer
+    than 200 us; then the thread takes over again. Only one of the two ever calls the source at
+    a time.
 
     Args:
         source: The iterator to run ahead. Create it on the calling thread.
@@ -315,8 +315,10 @@ class ThreadStage(Iterator[T], Generic[T]):
         adaptive: Let the consumer pull items itself while its steps are too short for a
             thread to help.
         stats: Where to record the stall meter; a new `EpochStats` by default.
-        reapable: Whether a call of ``source`` may be abandoned once the stage is left (see
-            `prefetchx._engine.Reaper`); only for sources nothing else uses.
+        reapable: Whether a call of ``source`` that is still running when the stage is left
+            may be interrupted, so that the thread ends and releases the source (a DataLoader
+            iterator waiting for a worker that never answers); only for sources nothing else
+            uses.
 
     Examples:
         >>> with ThreadStage(iter(range(3)), max_prefetch=2) as stage:
@@ -398,11 +400,12 @@ class ThreadStage(Iterator[T], Generic[T]):
         return value  # type: ignore[no-any-return]  # an item of the source
 
     def take(self, block: bool) -> Any:
-        """The next outcome, for a stage in front of this one that measures the loop itself.
+        """The next outcome, for a stage composed after this one; a loop uses ``next()``.
 
-        Returns an item, a `prefetchx._engine.Failure` for an exception (not raised), or, when
-        ``block`` is false and nothing is ready yet, `Signal.NOT_READY`. Raises `StopIteration`
-        at the end. An interrupt while waiting is raised and loses nothing.
+        Returns an item; for an exception, a value that holds it (not raised: that stage
+        raises it in its turn); or, when ``block`` is false and nothing is ready yet, a marker
+        saying so. Raises `StopIteration` at the end. An interrupt while waiting is raised and
+        loses nothing.
         """
         if self._inline:
             if block or self._source is None:
@@ -503,7 +506,7 @@ class ThreadStage(Iterator[T], Generic[T]):
             producer.resume()
 
     def abandon(self) -> None:
-        """Nothing else will use the source: a stopped thread may be made to let go of it."""
+        """Nothing else will use the source: from now on, as with ``reapable=True``."""
         self._reapable = True
         if self._producer is not None:
             self._producer.reapable = True
@@ -521,8 +524,8 @@ class ThreadStage(Iterator[T], Generic[T]):
     def close(self) -> None:
         """Stop the thread, drop the queued items and release the source. Idempotent.
 
-        Waits up to `prefetchx._engine.JOIN_TIMEOUT` seconds for the thread to finish the call
-        of the source it is in; `producer_alive` says afterwards whether it is still there.
+        Waits up to 10 s for the thread to finish the call of the source it is in;
+        `producer_alive` says afterwards whether it is still there.
         """
         if self._finalizer is not None:
             self._finalizer.detach()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import pickle
+import warnings
 from typing import Any
 
 import pytest
@@ -385,3 +386,15 @@ def test_on_a_gpu_nothing_synchronizes_and_the_bits_are_the_cpus(
     expected = _old_formula(x, dtype, channels_last)
     assert out.stride() == expected.stride()
     assert torch.equal(_bits(out.cpu()), _bits(expected))
+
+
+def test_a_negative_std_warns_naming_std_and_the_value() -> None:
+    from prefetchx import DataLoaderX
+
+    with pytest.warns(UserWarning, match=r"`std` is negative on channel 1, -57\.12") as caught:
+        DataLoaderX(range(4), mean=MEAN, std=(58.395, -57.12, -57.375))
+    assert len(caught) == 1
+    assert caught[0].filename == __file__  # the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Normalize(MEAN, STD)

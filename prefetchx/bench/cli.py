@@ -1,4 +1,4 @@
-"""Command line: ``python -m prefetchx bench`` (or ``prefetchx bench``).
+"""The ``bench`` command: ``python -m prefetchx bench`` (or ``prefetchx bench``).
 
 Measures what prefetching saves on this machine: a synthetic loop with three kinds of work, a
 JPEG-decoding CPU workload, and, where CUDA is present, copy bandwidth and an end-to-end GPU step.
@@ -91,66 +91,7 @@ def _cuda() -> dict[str, Any]:
     return report()
 
 
-def _plot(path: str, synthetic: list[ArmResult], jpeg: list[dict[str, Any]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cases: list[Any] = []
-    for r in synthetic:
-        if all(r.case is not c for c in cases):
-            cases.append(r.case)
-    arms = ["plain", "recipe", "prefetchx"]
-    fig, axes = plt.subplots(
-        1,
-        2 if jpeg else 1,
-        figsize=(12 if jpeg else 9, 4.5),
-        squeeze=False,
-        gridspec_kw={"width_ratios": [3, 1] if jpeg else [1]},
-    )
-    left = axes[0][0]
-    width = 0.8 / len(arms)
-    for k, arm in enumerate(arms):
-        points = [
-            (i, r.speedup)
-            for i, case in enumerate(cases)
-            for r in synthetic
-            if r.case is case and r.arm == arm
-        ]
-        left.bar([i + k * width for i, _ in points], [v for _, v in points], width, label=arm)
-    left.set_xticks(
-        [i + width for i in range(len(cases))],
-        [f"{c.kind}\n{c.data_ms:g}/{c.step_ms:g} ms\n{c.batches} batches" for c in cases],
-    )
-    left.axhline(1.0, color="grey", linewidth=0.8)
-    left.set_ylabel("speedup over plain DataLoader")
-    left.set_title("Synthetic loop (data/step cost per batch)")
-    left.legend()
-    if jpeg:
-        right = axes[0][1]
-        labels = [f"{r['torch_threads']} thr\n{r['num_workers']} wkr" for r in jpeg]
-        right.bar(range(len(jpeg)), [r["speedup"] for r in jpeg], color="C2")
-        right.set_xticks(range(len(jpeg)), labels)
-        right.axhline(1.0, color="grey", linewidth=0.8)
-        right.set_title("JPEG + conv net (CPU): prefetchx")
-    fig.suptitle(f"prefetchx {__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def _bench(args: argparse.Namespace) -> int:
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print(
-                "prefetchx bench: --plot needs matplotlib; install it with "
-                "pip install 'prefetchx[plot]'",
-                file=sys.stderr,
-            )
-            return 2
     started = time.perf_counter()
     meta = _meta(args)
     print(
@@ -161,33 +102,97 @@ def _bench(args: argparse.Namespace) -> int:
     jpeg = [] if args.quick else _jpeg()
     cuda = _cuda() if torch.cuda.is_available() and not args.cpu_only else {}
     print(f"\ndone in {time.perf_counter() - started:.0f} s")
+    record = {"meta": meta, "results": as_rows(synthetic), "jpeg": jpeg, "cuda": cuda}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(
-                {"meta": meta, "results": as_rows(synthetic), "jpeg": jpeg, "cuda": cuda},
-                f,
-                indent=2,
-            )
+            json.dump(record, f, indent=2)
         print(f"wrote {args.json}")
     if args.plot:
-        _plot(args.plot, synthetic, jpeg)
+        from prefetchx.bench import plot
+
+        plot.save(record, args.plot)
         print(f"wrote {args.plot}")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``prefetchx`` command."""
-    parser = argparse.ArgumentParser(prog="prefetchx", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="measure what prefetching saves on this machine")
-    bench.add_argument("--quick", action="store_true", help="the targets only, in seconds")
-    bench.add_argument("--max-prefetch", type=int, default=2, help="queue depth of the threads")
+# Each check runs while the arguments are parsed, so a bad value is a usage error naming the
+# option and the value before the bench starts, not a traceback after it.
+
+
+def _depth(value: str) -> int:
+    try:
+        depth = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}") from None
+    if depth == 0:
+        raise argparse.ArgumentTypeError("must be >= 1, got 0 (no thread: nothing to measure)")
+    if depth < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {depth}")
+    return depth
+
+
+def _output(value: str) -> str:
+    folder = os.path.dirname(value) or "."
+    if os.path.isdir(value):
+        raise argparse.ArgumentTypeError(f"{value!r} is a directory; give a file name in it")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"the directory of {value!r} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write into the directory of {value!r}")
+    return value
+
+
+def _image(value: str) -> str:
+    try:
+        import matplotlib.backend_bases
+    except ImportError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} needs matplotlib; install it with pip install 'prefetchx[plot]'"
+        ) from None
+    formats = matplotlib.backend_bases.FigureCanvasBase.get_supported_filetypes()
+    suffix = os.path.splitext(value)[1][1:].lower()
+    if suffix and suffix not in formats:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} names no image format matplotlib writes; use one of "
+            f"{', '.join(sorted('.' + f for f in formats))}, or none for PNG"
+        )
+    return _output(value)
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``bench`` command to the ``prefetchx`` command's subcommands."""
+    what = "measure what prefetching saves on this machine"
+    bench = commands.add_parser(
+        "bench",
+        help=what,
+        description=(
+            f"{what.capitalize()}: a synthetic loop with three kinds of work against a plain "
+            "DataLoader and the BackgroundGenerator recipe, a JPEG-decoding CPU workload, and, "
+            "where CUDA is present, copy bandwidth and an end-to-end GPU step."
+        ),
+    )
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short run: three synthetic cases with fewer batches and rounds, and no JPEG "
+        "workload (the CUDA part, where there is one, runs in full)",
+    )
+    bench.add_argument(
+        "--max-prefetch",
+        type=_depth,
+        default=2,
+        metavar="N",
+        help="queue depth of the prefetching threads, >= 1 (default: 2)",
+    )
     bench.add_argument("--cpu-only", action="store_true", help="skip the CUDA benchmarks")
-    bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    bench.add_argument("--plot", metavar="PATH", help="also draw the speedups as a PNG")
-    args = parser.parse_args(argv)
-    return _bench(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    bench.add_argument(
+        "--json", type=_output, metavar="PATH", help="also write the results as JSON"
+    )
+    bench.add_argument(
+        "--plot",
+        type=_image,
+        metavar="PATH",
+        help="also draw the speedups as an image, PNG unless the suffix names another "
+        "format (needs matplotlib: pip install 'prefetchx[plot]')",
+    )
+    bench.set_defaults(run=_bench)

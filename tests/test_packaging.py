@@ -1,0 +1,59 @@
+"""The distributions: the sdist carries a test tree that runs, the metadata tells the truth."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+NEEDED_BY_TESTS = ["tests", "docs", "examples", "benchmarks", "conftest.py", "CHANGELOG.md"]
+"""What `pytest` in an unpacked sdist reads besides the package: its helpers and fixtures, the
+pages whose samples it runs, the example it launches, the recorded plot it compares."""
+
+
+def _files(*names: str) -> set[str]:
+    found = set()
+    for name in names:
+        path = ROOT / name
+        if path.is_file():
+            found.add(name)
+        for folder, dirs, files in os.walk(path):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            found.update(os.path.relpath(os.path.join(folder, f), ROOT) for f in files)
+    return {f.replace(os.sep, "/") for f in found}
+
+
+def test_the_sdist_manifest_takes_every_file_the_tests_need(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    egg_info = pytest.importorskip("setuptools.command.egg_info")
+    monkeypatch.chdir(ROOT)  # the manifest's patterns are relative to the project
+    manifest = egg_info.FileList()
+    for line in (ROOT / "MANIFEST.in").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            manifest.process_template_line(line)
+    taken = {f.replace(os.sep, "/") for f in manifest.files}
+    needed = _files(*NEEDED_BY_TESTS)
+    assert "tests/helpers.py" in needed
+    assert not needed - taken, sorted(needed - taken)
+    assert not [f for f in taken if f.endswith((".pyc", ".pyo"))]
+
+
+def test_the_classifiers_name_the_python_versions_the_suite_passed_on() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    record = (ROOT / "benchmarks" / "results" / "compat-cpu-2core.txt").read_text()
+    passed = sorted(
+        {m[1] for m in re.finditer(r"^Python (3\.\d+)\.\d+ .* passed", record, re.M)},
+        key=lambda v: int(v.split(".")[1]),
+    )
+    prefix = "Programming Language :: Python :: "
+    named = [c.removeprefix(prefix) for c in project["classifiers"] if c.startswith(prefix + "3.")]
+    assert named == passed
+    assert project["requires-python"] == f">={passed[0]}"
+    assert "Typing :: Typed" in project["classifiers"]
+    assert (ROOT / "prefetchx" / "py.typed").is_file()
