@@ -48,8 +48,8 @@ class DataLoaderX(DataLoader[T_co]):
 
     With an accelerator (``device``, or the current accelerator when ``device`` is ``None``), a
     second stage copies the next ``device_prefetch`` batches to it on a side stream while the
-    caller trains, and normalizes the input there; ``prefetchx._device_stage.DeviceStage``
-    states the stream invariants.
+    caller trains, and normalizes the input there; the Design page of the docs ("Device stage:
+    streams and fences") states the stream invariants.
     On the CPU the same normalization runs in the background thread instead.
 
     Iterators, as with `DataLoader`: each ``iter()`` returns a new, independent iterator
@@ -62,8 +62,8 @@ class DataLoaderX(DataLoader[T_co]):
     with the batch after it. An iterator has ``len()``; ``close()`` on it, or leaving a ``with``
     block, stops its thread (waiting for it, bounded); a dropped iterator, an early ``break`` or
     an exception in the loop asks the thread to stop and never waits for it (the DataLoader
-    iterator, with its workers, is released at once unless the thread is inside it). See
-    ``prefetchx._iterator`` for the whole lifecycle.
+    iterator, with its workers, is released at once unless the thread is inside it). The Design
+    page ("Iterators and their lifecycle") describes the whole lifecycle.
 
     Where prefetching cannot be exact: a dataset that draws from the global RNG (torch's, numpy's
     or Python's) in ``__getitem__`` with ``num_workers=0`` draws in the thread, interleaved with
@@ -355,9 +355,9 @@ class DataLoaderX(DataLoader[T_co]):
     def close(self) -> None:
         """Stop every iterator of this loader still running, and shut down persistent workers.
 
-        Each iterator's thread is waited for, bounded (see `PrefetchIterator.close`), and so are
-        the threads of iterators dropped earlier that are still finishing a batch. The loader
-        stays usable: a later ``iter()`` starts afresh.
+        Each iterator's thread is waited for, at most 10 s (as by ``close()`` on an iterator),
+        and so are the threads of iterators dropped earlier that are still finishing a batch.
+        The loader stays usable: a later ``iter()`` starts afresh.
         """
         kept: Any = self._iterator  # DataLoader's persistent iterator: one of ours
         self._iterator = None

@@ -373,13 +373,8 @@ def test_the_site_carries_the_mermaid_that_material_would_fetch() -> None:
     assert wanted == [version[0].split(".")[0]], "material now loads another major version"
 
 
-PENDING_IN_LOADER = {
-    "DataLoaderX: prefetchx._device_stage.DeviceStage",
-    "DataLoaderX: prefetchx._iterator",
-    "DataLoaderX.close: PrefetchIterator.close",
-}
-"""Private names in prefetchx/_loader.py's docstrings, which the device-stage work is rewriting:
-to be replaced there by words a reader can follow, and taken off this list (issue #17)."""
+PENDING_IN_LOADER: set[str] = set()
+"""Private names left in prefetchx/_loader.py's docstrings: none (issue #17)."""
 
 
 def _shown(obj: Any, where: str) -> Iterator[tuple[str, str]]:
