@@ -357,8 +357,8 @@ class MeterResult:
 
     ``cost_us``: host time of a batch's two timing events and their reading, per batch.
     With a producer delay injected per batch, the epoch grows by the time the GPU waited; the
-    meter should report about the same growth in ``gpu_idle``: ``idle_growth_s`` against
-    ``epoch_growth_s``, per batch.
+    meter should report about the same growth in ``gpu_idle``: ``idle_growth_ms`` against
+    ``epoch_growth_ms``, per batch.
     """
 
     cost_us: float
