@@ -1,6 +1,7 @@
-"""Frameworks that rebuild or replace loaders: Lightning and accelerate (the `integrations` extra).
+"""Lightning, which rebuilds, checkpoints and resumes loaders (the `integrations` extra).
 
-Each test skips cleanly when its framework is not installed; CI installs the extra.
+Each test skips cleanly when Lightning is not installed; CI installs the extra. accelerate and
+the Hugging Face Trainer are tests/test_accelerate.py's.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DistributedSampler, TensorDataset
 
-from prefetchx import DataLoaderX, Prefetcher
+from prefetchx import DataLoaderX
 
 N = 24
 MEAN = STD = (127.5, 127.5, 127.5)  # uint8 0-255 to [-1, 1]
@@ -185,54 +186,3 @@ def test_lightning_resumes_mid_epoch_exactly_from_its_checkpoint(tmp_path: Path)
     _trainer().fit(resumed, ckpt_path=path)
     assert list(resumed.seen) == [1]
     assert part.seen[1] + resumed.seen[1] == full.seen[1]
-
-
-# --- accelerate ---------------------------------------------------------------------------------
-
-try:
-    import accelerate
-except ImportError:
-    accelerate = None
-
-needs_accelerate = pytest.mark.skipif(accelerate is None, reason="accelerate is not installed")
-
-
-@needs_accelerate
-def test_accelerate_prepare_replaces_dataloaderx() -> None:
-    # Why the wrapper exists: prepare() rebuilds the loader as its own class (FIELD pitfall 7).
-    prepared = accelerate.Accelerator(cpu=True).prepare(_loader())
-    assert not isinstance(prepared, DataLoaderX)
-
-
-@needs_accelerate
-def test_accelerate_prefetcher_over_the_prepared_loader_keeps_both_stages() -> None:
-    from accelerate.utils import GradientAccumulationPlugin
-
-    # The lookahead reaches the end of the prepared loader early; accelerate must not take that
-    # for the end of the epoch when it decides when to sync accumulated gradients.
-    plugin = GradientAccumulationPlugin(num_steps=2, sync_with_dataloader=False)
-    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_plugin=plugin)
-    plain = DataLoader(_dataset(), batch_size=4, shuffle=True)
-    prepared = accelerator.prepare_data_loader(plain, device_placement=False)
-    batches = Prefetcher(prepared, device=accelerator.device, mean=MEAN, std=STD, max_prefetch=3)
-    model = torch.nn.Linear(48, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    before = model.weight.detach().clone()
-
-    syncs, seen, threads = [], [], set()
-    for x, y in batches:
-        threads |= {t.name for t in threading.enumerate() if t.name.startswith("prefetchx-")}
-        assert _came_through_the_stages(x)
-        seen.extend(y.tolist())
-        with accelerator.accumulate(model):
-            accelerator.backward(model(x.flatten(1)).pow(2).mean())
-            optimizer.step()
-            optimizer.zero_grad()
-            syncs.append(accelerator.sync_gradients)
-
-    assert sorted(seen) == list(range(N))
-    assert len(batches) == len(prepared) == N // 4
-    assert threads == {"prefetchx-thread"}
-    assert syncs == [False, True] * (N // 8)
-    assert not torch.equal(model.weight.detach(), before)
