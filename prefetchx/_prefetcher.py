@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from prefetchx import _engine
-from prefetchx._iterator import Epoch, PrefetchIterator
+from prefetchx._iterator import Epoch, PrefetchIterator, length_of
 from prefetchx._pipeline import Pipeline
 from prefetchx._stats import EpochStats
 from prefetchx._thread_stage import settle
@@ -131,13 +131,9 @@ class Prefetcher(Generic[T]):
                         "the next epoch cannot start safely. Is the dataset blocked?"
                     )
         epoch = Epoch()
-        source = iter(self.iterable)
-        length = _length(self.iterable)
-        iterator: PrefetchIterator[T]
-        if length is None:
-            iterator = PrefetchIterator(source, self._pipeline, epoch)
-        else:
-            iterator = _UpToLength(source, self._pipeline, epoch, length)
+        iterator: PrefetchIterator[T] = PrefetchIterator(
+            iter(self.iterable), self._pipeline, epoch, length=length_of(self.iterable)
+        )
         self._latest = epoch
         self._live.add(iterator)
         return iterator
@@ -176,57 +172,6 @@ class Prefetcher(Generic[T]):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-class _UpToLength(PrefetchIterator[T]):
-    """A Prefetcher's iterator over an iterable with a ``len()``.
-
-    The stages ask the source for ``length`` batches (an error in a batch's place counts as
-    one); a later ``next()`` asks the source in the caller's thread, through the same stages
-    without a thread, so the call that ends the source's epoch is the caller's own.
-    """
-
-    def __init__(self, source: Iterator[T], pipeline: Pipeline, epoch: Epoch, length: int) -> None:
-        self._limit = _UpTo(source, length)
-        super().__init__(source, pipeline, epoch, feed=self._limit)
-
-    def __next__(self) -> T:
-        try:
-            return self._next()
-        except StopIteration:
-            if not self._limit.reached or self._source is None:
-                raise  # the source's own end, or closed
-        self._limit.reached = False  # once: the next end is the source's
-        inline = object.__new__(Pipeline)  # the same stages and side stream, without a thread
-        inline.__dict__.update(self._pipeline.__dict__)
-        inline.max_prefetch = 0
-        stage = inline.build(self._source, self.epoch.stats)
-        self._stage, self._next = stage, stage.__next__
-        return self._next()
-
-
-class _UpTo(Iterator[T]):
-    """At most ``length`` calls of ``source``, then `StopIteration` without calling it."""
-
-    def __init__(self, source: Iterator[T], length: int) -> None:
-        self._source = source
-        self._left = length
-        self.reached = False
-        """Whether it ended at ``length``, not at the source's own end."""
-
-    def __next__(self) -> T:
-        if self._left <= 0:
-            self.reached = True
-            raise StopIteration
-        self._left -= 1
-        return next(self._source)
-
-
-def _length(iterable: Any) -> int | None:
-    try:
-        return len(iterable)
-    except TypeError:
-        return None
 
 
 def _keeps_one_iterator(iterable: Any) -> bool:
