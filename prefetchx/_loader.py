@@ -370,6 +370,24 @@ class DataLoaderX(DataLoader[T_co]):
         settle(_engine.JOIN_TIMEOUT)
 
     @property
+    def mixup_enabled(self) -> bool:
+        """Whether the collate function mixes batches (timm's ``FastCollateMixup``).
+
+        timm's training script reads and sets this on a prefetching loader to turn mixup off
+        for the last epochs; as on timm's ``PrefetchLoader``, it is the collate function's
+        ``mixup_enabled``, and ``False`` (setting it does nothing) for a collate function
+        without one. Set it between epochs, as timm does: batches made ahead, and those of
+        running or persistent workers (each has its own copy of the collate function), were
+        collated before the change.
+        """
+        return bool(getattr(self.collate_fn, "mixup_enabled", False))
+
+    @mixup_enabled.setter
+    def mixup_enabled(self, value: bool) -> None:
+        if hasattr(self.collate_fn, "mixup_enabled"):
+            self.collate_fn.mixup_enabled = value
+
+    @property
     def _is_accelerate_prepared(self) -> bool:
         """accelerate's mark of a loader it prepared, read first whenever it prepares one.
 
