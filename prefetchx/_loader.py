@@ -448,7 +448,7 @@ def _handing(loader: DataLoaderX[Any], recorder: IndexRecorder | None) -> Iterat
         _handover.pair = previous
 
 
-_PREFETCH_DEFAULTS: dict[str, Any] = {
+PREFETCH_DEFAULTS: dict[str, Any] = {
     "max_prefetch": 2,
     "device": None,
     "mean": None,
@@ -476,7 +476,7 @@ def _signature() -> inspect.Signature:
     base = inspect.signature(DataLoader.__init__)
     ours = [
         inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
-        for name, default in _PREFETCH_DEFAULTS.items()
+        for name, default in PREFETCH_DEFAULTS.items()
     ]
     return base.replace(parameters=[*base.parameters.values(), *ours])
 

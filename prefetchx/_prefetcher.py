@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 
 from prefetchx import _engine
 from prefetchx._iterator import Epoch, PrefetchIterator, length_of
+from prefetchx._loader import PREFETCH_DEFAULTS
 from prefetchx._pipeline import Pipeline
 from prefetchx._stats import EpochStats
 from prefetchx._thread_stage import settle
@@ -87,33 +88,13 @@ class Prefetcher(Generic[T]):
         self.iterable = iterable
         self._latest: Epoch | None = None
         self._live: weakref.WeakSet[PrefetchIterator[T]] = weakref.WeakSet()
-        self._pipeline = Pipeline(
-            max_prefetch=max_prefetch,
-            device=device,
-            mean=mean,
-            std=std,
-            dtype=dtype,
-            channels_last=channels_last,
-            input_key=input_key,
-            device_prefetch=device_prefetch,
-            non_blocking=non_blocking,
-        )
+        stages = {name: value for name, value in locals().items() if name in PREFETCH_DEFAULTS}
+        self._pipeline = Pipeline(**stages)
         self._accelerates: Any = None
         """accelerate's loader, copied, with the stages beneath it; None for any other iterable."""
         if _is_accelerates(iterable):
             from prefetchx.accelerate import _copy_with_stages
 
-            stages = {
-                "max_prefetch": max_prefetch,
-                "device": device,
-                "mean": mean,
-                "std": std,
-                "dtype": dtype,
-                "channels_last": channels_last,
-                "input_key": input_key,
-                "device_prefetch": device_prefetch,
-                "non_blocking": non_blocking,
-            }
             self._accelerates = _copy_with_stages(iterable, stages)
 
     def __iter__(self) -> Iterator[T]:
@@ -144,11 +125,11 @@ class Prefetcher(Generic[T]):
     def __getattr__(self, name: str) -> Any:
         # Only for names not found otherwise: what frameworks read from a loader (its dataset,
         # sampler, batch size, set_epoch, accelerate's end-of-data state) is the loader's.
-        if name.startswith("_"):
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         wrapped = self.__dict__.get("_accelerates")
         if wrapped is None:
-            wrapped = self.__dict__["iterable"]
+            wrapped = self.__dict__.get("iterable")
+        if name.startswith("_") or wrapped is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(wrapped, name)
 
     @property

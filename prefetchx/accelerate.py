@@ -29,22 +29,10 @@ import accelerate.data_loader as accelerate_data_loader
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from prefetchx._loader import DataLoaderX, accelerate_preparing
+from prefetchx._loader import PREFETCH_DEFAULTS, DataLoaderX, accelerate_preparing
 from prefetchx._prefetcher import Prefetcher
 
 __all__ = ["add_stages", "prepare", "skip_first_batches"]
-
-_PREFETCH_ARGS = (
-    "max_prefetch",
-    "device",
-    "mean",
-    "std",
-    "dtype",
-    "channels_last",
-    "input_key",
-    "device_prefetch",
-    "non_blocking",
-)
 
 # DataLoader's arguments besides those that choose the batches (sampler, batch sampler, batch
 # size, drop_last), which the rebuild takes as the loader resolved them.
@@ -148,17 +136,7 @@ def add_stages(
                 return prefetchx.accelerate.add_stages(super().get_train_dataloader())
         ```
     """
-    stages = {
-        "max_prefetch": max_prefetch,
-        "device": device,
-        "mean": mean,
-        "std": std,
-        "dtype": dtype,
-        "channels_last": channels_last,
-        "input_key": input_key,
-        "device_prefetch": device_prefetch,
-        "non_blocking": non_blocking,
-    }
+    stages = {name: value for name, value in locals().items() if name in PREFETCH_DEFAULTS}
     _beneath(loader, stages, pin_host=True)
     return loader
 
@@ -258,7 +236,7 @@ def _rebuild(base: DataLoader[Any], stages: dict[str, Any], *, pin_host: bool) -
 
 
 def _stages_of(loader: DataLoaderX[Any]) -> dict[str, Any]:
-    return {name: getattr(loader, name) for name in _PREFETCH_ARGS}
+    return {name: getattr(loader, name) for name in PREFETCH_DEFAULTS}
 
 
 def _placement(loader: Any) -> torch.device | str:

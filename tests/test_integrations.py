@@ -394,27 +394,21 @@ class _Sized(_Resumable):
 
 
 @needs_lightning
-def test_lightning_resumes_an_iterable_dataset_with_its_own_state_and_a_len(
-    tmp_path: Path,
+@pytest.mark.parametrize("sized", [True, False], ids=["with-len", "without-len"])
+def test_lightning_resumes_an_iterable_dataset_with_its_own_state(
+    sized: bool, tmp_path: Path
 ) -> None:
     def make() -> DataLoaderX[Any]:
-        return DataLoaderX(_Sized(10, own_state=True), batch_size=2)
+        dataset = (_Sized if sized else _Resumable)(10, own_state=True)
+        return DataLoaderX(dataset, batch_size=2)
 
     uninterrupted, resumed = _resume_fit(make, tmp_path, stop_at=7)
-    assert resumed == uninterrupted
-
-
-@needs_lightning
-def test_lightning_resumes_an_unsized_iterable_dataset_after_its_own_lookahead(
-    tmp_path: Path,
-) -> None:
-    # Without len(), Lightning takes one batch ahead of its step to know the epoch's end; the
-    # state counts it as taken, so the resumed epoch goes on after it (the FAQ says so).
-    def make() -> DataLoaderX[Any]:
-        return DataLoaderX(_Resumable(10, own_state=True), batch_size=2)
-
-    uninterrupted, resumed = _resume_fit(make, tmp_path, stop_at=7)
-    assert resumed == uninterrupted[:2] + uninterrupted[3:]
+    if sized:
+        assert resumed == uninterrupted
+    else:
+        # Without len(), Lightning takes one batch ahead of its step to know the epoch's end;
+        # the state counts it as taken, so the resumed epoch goes on after it (see the docs).
+        assert resumed == uninterrupted[:2] + uninterrupted[3:]
 
 
 @needs_lightning
