@@ -242,6 +242,23 @@ def test_dispatched_batches_as_with_accelerates_loader() -> None:
     assert run("prefetchx") == run("accelerate")
 
 
+def test_save_state_and_load_state_as_with_accelerates_loader(tmp_path: Path) -> None:
+    def run(path: str) -> list[list[int]]:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        config = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=5)
+        accelerator = _accelerator(dataloader_config=config)
+        loader = _prepared(path, accelerator, batch_size=4, shuffle=True)
+        epochs = [[y.tolist() for _, y in loader]]
+        accelerator.save_state(str(tmp_path / path))
+        epochs.append([y.tolist() for _, y in loader])
+        accelerator.load_state(str(tmp_path / path))
+        epochs.append([y.tolist() for _, y in loader])
+        return epochs
+
+    assert run("prepare") == run("accelerate")
+
+
 # --- skip_first_batches --------------------------------------------------------------------------
 
 
