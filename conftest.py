@@ -4,6 +4,7 @@ only `cuda`-marked tests see an accelerator."""
 from __future__ import annotations
 
 import gc
+import importlib.util
 import threading
 import time
 from collections.abc import Iterator
@@ -11,6 +12,9 @@ from collections.abc import Iterator
 import psutil
 import pytest
 import torch
+
+collect_ignore = [] if importlib.util.find_spec("accelerate") else ["prefetchx/accelerate.py"]
+"""prefetchx.accelerate imports accelerate, an optional dependency: without it, nothing to test."""
 
 LEAK_WAIT = 15.0
 """Seconds a test's threads and workers get to end after it returns (a worker that is busy with a

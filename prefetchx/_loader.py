@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 import threading
 import warnings
 import weakref
@@ -368,6 +369,40 @@ class DataLoaderX(DataLoader[T_co]):
                 iterator.close()
         settle(_engine.JOIN_TIMEOUT)
 
+    @property
+    def mixup_enabled(self) -> bool:
+        """Whether the collate function mixes batches (timm's ``FastCollateMixup``).
+
+        timm's training script reads and sets this on a prefetching loader to turn mixup off
+        for the last epochs; as on timm's ``PrefetchLoader``, it is the collate function's
+        ``mixup_enabled``, and ``False`` (setting it does nothing) for a collate function
+        without one. Set it between epochs, as timm does: batches made ahead, and those of
+        running or persistent workers (each has its own copy of the collate function), were
+        collated before the change.
+        """
+        return bool(getattr(self.collate_fn, "mixup_enabled", False))
+
+    @mixup_enabled.setter
+    def mixup_enabled(self, value: bool) -> None:
+        if hasattr(self.collate_fn, "mixup_enabled"):
+            self.collate_fn.mixup_enabled = value
+
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        """accelerate's mark of a loader it prepared, read first whenever it prepares one.
+
+        Its ``prepare()`` rebuilds every other loader as its own class over a plain
+        `DataLoader`, which would drop both stages: say so, at once, with the fix.
+        """
+        prepared = bool(self.__dict__.get("_accelerate_prepared", False))
+        if not prepared and not getattr(accelerate_preparing, "active", False):
+            warnings.warn(ACCELERATE_DROPS_STAGES, stacklevel=_outside_accelerate())
+        return prepared
+
+    @_is_accelerate_prepared.setter
+    def _is_accelerate_prepared(self, value: bool) -> None:
+        self.__dict__["_accelerate_prepared"] = value
+
     def __enter__(self) -> DataLoaderX[T_co]:
         return self
 
@@ -388,6 +423,16 @@ class DataLoaderX(DataLoader[T_co]):
 _handover = threading.local()
 """``(loader, recorder)`` while that loader's DataLoader makes an iterator on this thread."""
 
+accelerate_preparing = threading.local()
+"""``active`` while `prefetchx.accelerate` has accelerate prepare loaders on this thread."""
+
+ACCELERATE_DROPS_STAGES = (
+    "prefetchx: accelerate's prepare() rebuilds this DataLoaderX as its own loader over a plain "
+    "DataLoader: the prefetch thread, the device stage and mean/std/dtype/channels_last are "
+    "dropped, so batches come unnormalized. Use prefetchx.accelerate.prepare(accelerator, ...) "
+    "instead of accelerator.prepare(...): it prepares the same way and keeps both stages."
+)
+
 
 @contextlib.contextmanager
 def _handing(loader: DataLoaderX[Any], recorder: IndexRecorder | None) -> Iterator[None]:
@@ -403,7 +448,7 @@ def _handing(loader: DataLoaderX[Any], recorder: IndexRecorder | None) -> Iterat
         _handover.pair = previous
 
 
-_PREFETCH_DEFAULTS: dict[str, Any] = {
+PREFETCH_DEFAULTS: dict[str, Any] = {
     "max_prefetch": 2,
     "device": None,
     "mean": None,
@@ -416,12 +461,22 @@ _PREFETCH_DEFAULTS: dict[str, Any] = {
 }
 
 
+def _outside_accelerate() -> int:
+    """The stack level of the first caller outside accelerate, seen from a property getter."""
+    frame, level = sys._getframe(2), 2
+    while frame.f_back is not None:
+        if frame.f_globals.get("__name__", "").partition(".")[0] != "accelerate":
+            break
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _signature() -> inspect.Signature:
     """DataLoader's own signature with the prefetch arguments appended as keyword-only."""
     base = inspect.signature(DataLoader.__init__)
     ours = [
         inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
-        for name, default in _PREFETCH_DEFAULTS.items()
+        for name, default in PREFETCH_DEFAULTS.items()
     ]
     return base.replace(parameters=[*base.parameters.values(), *ours])
 

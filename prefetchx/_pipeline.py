@@ -98,6 +98,13 @@ class Pipeline:
             non_blocking=self.non_blocking,
         )
 
+    def without_thread(self) -> Pipeline:
+        """The same stages, device and side stream, with batches made in the caller's thread."""
+        inline = object.__new__(Pipeline)
+        inline.__dict__.update(self.__dict__)
+        inline.max_prefetch = 0
+        return inline
+
     def _normalize_input(self, batch: Any) -> Any:
         return map_input(batch, self.input_key, self.normalize)
 

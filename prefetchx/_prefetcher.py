@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import sys
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
 from torch.utils.data import DataLoader
 
 from prefetchx import _engine
-from prefetchx._iterator import Epoch, PrefetchIterator
+from prefetchx._iterator import Epoch, PrefetchIterator, length_of
+from prefetchx._loader import PREFETCH_DEFAULTS
 from prefetchx._pipeline import Pipeline
 from prefetchx._stats import EpochStats
 from prefetchx._thread_stage import settle
@@ -21,18 +23,35 @@ T = TypeVar("T")
 class Prefetcher(Generic[T]):
     """The thread stage and the device stage over any iterable of batches.
 
-    For loaders you cannot make a `DataLoaderX`, chiefly the one ``accelerate``'s ``prepare``
-    returns (it rebuilds every ``DataLoader`` subclass as its own class). Each ``iter()`` calls
-    ``iter(iterable)`` on the calling thread and returns a new, independent iterator that runs
-    the stages over it, with the same arguments, lifecycle and stall meter as `DataLoaderX`;
-    ``len()`` is the iterable's. Over a ``DataLoader`` with persistent workers, whose ``iter()``
-    resets the one iterator it keeps, a new ``iter()`` first stops the iterators it made before
-    (waiting for their threads, bounded), as DataLoaderX's reset does.
+    For loaders you cannot make a `DataLoaderX`. Each ``iter()`` calls ``iter(iterable)`` on the
+    calling thread and returns a new, independent iterator that runs the stages over it, with
+    the same arguments, lifecycle and stall meter as `DataLoaderX`. Over a ``DataLoader`` with
+    persistent workers, whose ``iter()`` resets the one iterator it keeps, a new ``iter()`` first
+    stops the iterators it made before (waiting for their threads, bounded), as DataLoaderX's
+    reset does.
+
+    It yields what the iterable yields, epoch by epoch, whatever the step time: when the
+    iterable has a ``len()``, the thread asks it for at most that many batches, and the call that
+    ends its epoch (and whatever the iterable does then, such as advancing its own epoch) is made
+    by your ``next()``, in your thread, as a plain loop would, and only if you make it. A batch
+    past its ``len()`` comes through the same stages without the thread.
+
+    What frameworks read from a loader is the iterable's: ``len()``, and any public attribute a
+    Prefetcher does not have itself (``dataset``, ``sampler``, ``batch_sampler``, ``batch_size``,
+    ``set_epoch``, ...) is read from the iterable.
+
+    A loader accelerate prepared is iterated in your thread, with the stages beneath it instead:
+    accelerate looks one batch ahead to know where the epoch ends (gradient accumulation,
+    ``gather_for_metrics``), and a thread ahead of it would move that end. The Prefetcher keeps
+    a copy of it whose plain `DataLoader` is a `DataLoaderX` with these arguments (see
+    `prefetchx.accelerate.add_stages`); the loader you gave is not changed. ``set_epoch``,
+    ``end_of_dataloader`` and ``remainder`` are the copy's.
 
     Args:
         iterable: Where batches come from; iterated once per ``iter()``.
         max_prefetch: Batches the background thread keeps ready; ``0`` runs no thread.
-        device: Where batches go: ``None`` for the current accelerator if there is one.
+        device: Where batches go: ``None`` for the current accelerator if there is one (for
+            accelerate's loader: where accelerate puts them).
         mean: Per-channel means of the input, in its units as collated.
         std: Per-channel standard deviations; ``(x - mean) / std``.
         dtype: Floating dtype of the input after normalization.
@@ -48,8 +67,8 @@ class Prefetcher(Generic[T]):
     Examples:
         >>> from torch.utils.data import DataLoader
         >>> batches = Prefetcher(DataLoader(range(6), batch_size=4), max_prefetch=1)
-        >>> [batch.tolist() for batch in batches], len(batches)
-        ([[0, 1, 2, 3], [4, 5]], 2)
+        >>> [batch.tolist() for batch in batches], len(batches), batches.batch_size
+        ([[0, 1, 2, 3], [4, 5]], 2, 4)
     """
 
     def __init__(
@@ -69,19 +88,19 @@ class Prefetcher(Generic[T]):
         self.iterable = iterable
         self._latest: Epoch | None = None
         self._live: weakref.WeakSet[PrefetchIterator[T]] = weakref.WeakSet()
-        self._pipeline = Pipeline(
-            max_prefetch=max_prefetch,
-            device=device,
-            mean=mean,
-            std=std,
-            dtype=dtype,
-            channels_last=channels_last,
-            input_key=input_key,
-            device_prefetch=device_prefetch,
-            non_blocking=non_blocking,
-        )
+        stages = {name: value for name, value in locals().items() if name in PREFETCH_DEFAULTS}
+        self._pipeline = Pipeline(**stages)
+        self._accelerates: Any = None
+        """accelerate's loader, copied, with the stages beneath it; None for any other iterable."""
+        if _is_accelerates(iterable):
+            from prefetchx.accelerate import _copy_with_stages
 
-    def __iter__(self) -> PrefetchIterator[T]:
+            self._accelerates = _copy_with_stages(iterable, stages)
+
+    def __iter__(self) -> Iterator[T]:
+        if self._accelerates is not None:
+            # accelerate's own iteration, in this thread; the stages run beneath it.
+            return iter(self._accelerates)
         if _keeps_one_iterator(self.iterable):
             # iter() will reset the iterator our earlier iterators' threads may still be in.
             for earlier in list(self._live):
@@ -93,7 +112,9 @@ class Prefetcher(Generic[T]):
                         "the next epoch cannot start safely. Is the dataset blocked?"
                     )
         epoch = Epoch()
-        iterator: PrefetchIterator[T] = PrefetchIterator(iter(self.iterable), self._pipeline, epoch)
+        iterator: PrefetchIterator[T] = PrefetchIterator(
+            iter(self.iterable), self._pipeline, epoch, length=length_of(self.iterable)
+        )
         self._latest = epoch
         self._live.add(iterator)
         return iterator
@@ -101,14 +122,28 @@ class Prefetcher(Generic[T]):
     def __len__(self) -> int:
         return len(self.iterable)  # type: ignore[arg-type]  # TypeError if it has none, as len()
 
+    def __getattr__(self, name: str) -> Any:
+        # Only for names not found otherwise: what frameworks read from a loader (its dataset,
+        # sampler, batch size, set_epoch, accelerate's end-of-data state) is the loader's.
+        wrapped = self.__dict__.get("_accelerates")
+        if wrapped is None:
+            wrapped = self.__dict__.get("iterable")
+        if name.startswith("_") or wrapped is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(wrapped, name)
+
     @property
     def stats(self) -> EpochStats:
         """The stall meter of the epoch started last (by ``iter()``), running or not."""
+        if self._accelerates is not None:
+            return self._accelerates.base_dataloader.stats  # type: ignore[no-any-return]
         return self._latest.stats if self._latest is not None else EpochStats()
 
     def close(self) -> None:
         """Stop every iterator of this Prefetcher still running, waiting for their threads
         (bounded), and for those of iterators dropped earlier. Idempotent."""
+        if self._accelerates is not None:
+            self._accelerates.base_dataloader.close()
         for iterator in list(self._live):
             iterator.close()
         settle(_engine.JOIN_TIMEOUT)
@@ -125,3 +160,11 @@ def _keeps_one_iterator(iterable: Any) -> bool:
     return bool(
         isinstance(iterable, DataLoader) and iterable.persistent_workers and iterable.num_workers
     )
+
+
+def _is_accelerates(iterable: Any) -> bool:
+    """Whether ``iterable`` is a loader accelerate prepared (without importing accelerate)."""
+    module = sys.modules.get("accelerate.data_loader")
+    adapter = getattr(module, "DataLoaderAdapter", None)
+    # type(), not isinstance(): accelerate's loaders report the class of the DataLoader inside.
+    return adapter is not None and issubclass(type(iterable), adapter)

@@ -1,20 +1,22 @@
-"""Frameworks that rebuild or replace loaders: Lightning and accelerate (the `integrations` extra).
+"""Lightning, which rebuilds, checkpoints and resumes loaders (the `integrations` extra).
 
-Each test skips cleanly when its framework is not installed; CI installs the extra.
+Each test skips cleanly when Lightning is not installed; CI installs the extra. accelerate and
+the Hugging Face Trainer are tests/test_accelerate.py's.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
-from prefetchx import DataLoaderX, Prefetcher
+from prefetchx import DataLoaderX
 
 N = 24
 MEAN = STD = (127.5, 127.5, 127.5)  # uint8 0-255 to [-1, 1]
@@ -187,52 +189,243 @@ def test_lightning_resumes_mid_epoch_exactly_from_its_checkpoint(tmp_path: Path)
     assert part.seen[1] + resumed.seen[1] == full.seen[1]
 
 
-# --- accelerate ---------------------------------------------------------------------------------
-
-try:
-    import accelerate
-except ImportError:
-    accelerate = None
-
-needs_accelerate = pytest.mark.skipif(accelerate is None, reason="accelerate is not installed")
+# --- Lightning's loops, each with DataLoader and with DataLoaderX in the same test ---------------
 
 
-@needs_accelerate
-def test_accelerate_prepare_replaces_dataloaderx() -> None:
-    # Why the wrapper exists: prepare() rebuilds the loader as its own class (FIELD pitfall 7).
-    prepared = accelerate.Accelerator(cpu=True).prepare(_loader())
-    assert not isinstance(prepared, DataLoaderX)
+def _labels(batch: Any) -> Any:
+    """What a step received, as plain data: the labels of each loader's batch."""
+    if batch is None:
+        return None  # a loader CombinedLoader's max_size mode has run out of
+    if isinstance(batch, dict):
+        return {key: _labels(value) for key, value in batch.items()}
+    if isinstance(batch, list) and batch and not isinstance(batch[0], torch.Tensor):
+        return [_labels(value) for value in batch]
+    return batch[-1].tolist()
 
 
-@needs_accelerate
-def test_accelerate_prefetcher_over_the_prepared_loader_keeps_both_stages() -> None:
-    from accelerate.utils import GradientAccumulationPlugin
+def _numbers(n: int) -> TensorDataset:
+    return TensorDataset(torch.arange(n, dtype=torch.float32).view(n, 1), torch.arange(n))
 
-    # The lookahead reaches the end of the prepared loader early; accelerate must not take that
-    # for the end of the epoch when it decides when to sync accumulated gradients.
-    plugin = GradientAccumulationPlugin(num_steps=2, sync_with_dataloader=False)
-    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_plugin=plugin)
-    plain = DataLoader(_dataset(), batch_size=4, shuffle=True)
-    prepared = accelerator.prepare_data_loader(plain, device_placement=False)
-    batches = Prefetcher(prepared, device=accelerator.device, mean=MEAN, std=STD, max_prefetch=3)
-    model = torch.nn.Linear(48, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    before = model.weight.detach().clone()
 
-    syncs, seen, threads = [], [], set()
-    for x, y in batches:
-        threads |= {t.name for t in threading.enumerate() if t.name.startswith("prefetchx-")}
-        assert _came_through_the_stages(x)
-        seen.extend(y.tolist())
-        with accelerator.accumulate(model):
-            accelerator.backward(model(x.flatten(1)).pow(2).mean())
-            optimizer.step()
-            optimizer.zero_grad()
-            syncs.append(accelerator.sync_gradients)
+class _Recorder(pl.LightningModule if pl is not None else object):  # type: ignore[misc]
+    """Records what every step of every loop received; ``loaders`` makes them (by loop name)."""
 
-    assert sorted(seen) == list(range(N))
-    assert len(batches) == len(prepared) == N // 4
-    assert threads == {"prefetchx-thread"}
-    assert syncs == [False, True] * (N // 8)
-    assert not torch.equal(model.weight.detach(), before)
+    def __init__(self, loaders: dict[str, Any]) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.loaders = loaders
+        self.seen: list[Any] = []
+
+    def _step(self, loop: str, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        self.seen.append((loop, self.current_epoch, dataloader_idx, batch_idx, _labels(batch)))
+        # A random draw per step, as dropout would: the loaders' draws must interleave as before.
+        self.seen.append(torch.rand(1).item())
+        return self.layer(torch.ones(1, 1)).sum()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return self._step("fit", batch, batch_idx)
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._step("validate", batch, batch_idx, dataloader_idx)
+
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._step("test", batch, batch_idx, dataloader_idx)
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        self._step("predict", batch, batch_idx, dataloader_idx)
+        return _labels(batch)
+
+    def train_dataloader(self) -> Any:
+        return self.loaders["fit"]()
+
+    def val_dataloader(self) -> Any:
+        return self.loaders.get("validate", list)()  # none: no such loop
+
+    def test_dataloader(self) -> Any:
+        return self.loaders.get("test", list)()  # none: no such loop
+
+    def predict_dataloader(self) -> Any:
+        return self.loaders.get("predict", list)()  # none: no such loop
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _both(run: Any) -> tuple[Any, Any]:
+    """``run(loader_class)`` with DataLoader, then with DataLoaderX, from the same seed."""
+    outcomes = []
+    for cls in (DataLoader, DataLoaderX):
+        torch.manual_seed(0)
+        outcomes.append(run(cls))
+    return outcomes[0], outcomes[1]
+
+
+@needs_lightning
+def test_lightning_fit_validate_test_predict_see_what_dataloader_gives() -> None:
+    def run(cls: Any) -> Any:
+        loaders = {
+            "fit": lambda: cls(_numbers(20), batch_size=4, shuffle=True),
+            "validate": lambda: cls(_numbers(10), batch_size=3, shuffle=True),
+            "test": lambda: [cls(_numbers(7), batch_size=2), cls(_numbers(5), batch_size=4)],
+            "predict": lambda: cls(_numbers(9), batch_size=2, shuffle=True),
+        }
+        module = _Recorder(loaders)
+        trainer = _trainer(val_check_interval=2)
+        trainer.fit(module)
+        trainer.validate(module)
+        trainer.test(module)
+        predictions = trainer.predict(module)
+        return module.seen, predictions
+
+    expected, got = _both(run)
+    assert got == expected
+    predicted = [i for batch in expected[1] for i in batch]
+    assert sorted(predicted) == list(range(9))  # predict: each batch once, none lost
+
+
+@needs_lightning
+def test_lightning_validation_over_the_training_loader_leaves_the_epoch_whole() -> None:
+    def run(cls: Any) -> Any:
+        loader = cls(_numbers(40), batch_size=4, shuffle=True)
+        module = _Recorder({"fit": lambda: loader, "validate": lambda: loader})
+        _trainer(val_check_interval=3, limit_val_batches=2).fit(module)
+        return module.seen
+
+    expected, got = _both(run)
+    assert got == expected
+    fit_steps = [step for step in expected if isinstance(step, tuple) and step[0] == "fit"]
+    assert len(fit_steps) == 2 * 10  # every step of both epochs
+
+
+@needs_lightning
+@pytest.mark.parametrize("mode", ["max_size_cycle", "min_size", "max_size"])
+def test_lightning_combined_loaders_train_on_what_dataloader_gives(mode: str) -> None:
+    from lightning.pytorch.utilities import CombinedLoader
+
+    def run(cls: Any) -> Any:
+        loaders = {
+            "fit": lambda: CombinedLoader(
+                {
+                    "long": cls(_numbers(20), batch_size=4, shuffle=True),
+                    "short": cls(_numbers(6), batch_size=2, shuffle=True),
+                },
+                mode=mode,
+            ),
+            "validate": lambda: CombinedLoader(
+                [cls(_numbers(6), batch_size=4, shuffle=True), cls(_numbers(3), batch_size=1)],
+                mode="sequential",
+            ),
+        }
+        module = _Recorder(loaders)
+        _trainer().fit(module)
+        return module.seen
+
+    expected, got = _both(run)
+    assert got == expected
+
+
+class _Resumable(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
+    """``n`` samples in order; with ``own_state``, it saves and restores where it is."""
+
+    def __init__(self, n: int, own_state: bool) -> None:
+        self.n = n
+        self.position = 0
+        self.start = 0
+        if own_state:
+            self.state_dict = lambda: {"position": self.position}
+            self.load_state_dict = lambda state: setattr(self, "start", state["position"])
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        start, self.start = self.start, 0
+        self.position = start
+        for i in range(start, self.n):
+            self.position = i + 1
+            yield torch.tensor([float(i)]), torch.tensor(i)
+
+
+@needs_lightning
+@pytest.mark.parametrize("own_state", [False, True], ids=["plain", "own-state"])
+def test_lightning_checkpoints_an_iterable_dataset(own_state: bool, tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(cls: Any) -> Any:
+        module = _Recorder({"fit": lambda: cls(_Resumable(10, own_state), batch_size=2)})
+        every = ModelCheckpoint(
+            dirpath=tmp_path / cls.__name__, every_n_train_steps=2, save_top_k=-1
+        )
+        _trainer(callbacks=[every], enable_checkpointing=True).fit(module)
+        return module.seen
+
+    expected, got = _both(run)
+    assert got == expected
+    checkpoints = sorted((tmp_path / "DataLoaderX").glob("*.ckpt"))
+    assert len(checkpoints) == 5  # every 2 of the 2 x 5 steps
+    state = torch.load(checkpoints[0], weights_only=True)["loops"]["fit_loop"]["state_dict"]
+    (saved,) = state["combined_loader"]
+    # Lightning looks one batch ahead in a loader without len(): 3 batches were taken.
+    own = {"position": 6} if own_state else None
+    assert (saved["consumed"], saved["dataset_state"]) == (3, own)
+
+
+def _resume_fit(make: Any, tmp_path: Path, stop_at: int) -> tuple[list[Any], list[Any]]:
+    """The fit steps of epoch 1: uninterrupted, and stopped at ``stop_at`` then resumed."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def second_epoch(module: Any) -> list[Any]:
+        return [s[4] for s in module.seen if isinstance(s, tuple) and s[:2] == ("fit", 1)]
+
+    torch.manual_seed(0)
+    full = _Recorder({"fit": make})
+    _trainer().fit(full)
+    torch.manual_seed(0)
+    part = _Recorder({"fit": make})
+    every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=stop_at, save_top_k=-1)
+    _trainer(callbacks=[every, _StopAt(stop_at)], enable_checkpointing=True).fit(part)
+    (path,) = tmp_path.glob("*.ckpt")
+    torch.manual_seed(123)  # the global RNG is not the saved run's
+    resumed = _Recorder({"fit": make})
+    _trainer().fit(resumed, ckpt_path=path)
+    return second_epoch(full), second_epoch(part) + second_epoch(resumed)
+
+
+class _Sized(_Resumable):
+    def __len__(self) -> int:
+        return self.n
+
+
+@needs_lightning
+@pytest.mark.parametrize("sized", [True, False], ids=["with-len", "without-len"])
+def test_lightning_resumes_an_iterable_dataset_with_its_own_state(
+    sized: bool, tmp_path: Path
+) -> None:
+    def make() -> DataLoaderX[Any]:
+        dataset = (_Sized if sized else _Resumable)(10, own_state=True)
+        return DataLoaderX(dataset, batch_size=2)
+
+    uninterrupted, resumed = _resume_fit(make, tmp_path, stop_at=7)
+    if sized:
+        assert resumed == uninterrupted
+    else:
+        # Without len(), Lightning takes one batch ahead of its step to know the epoch's end;
+        # the state counts it as taken, so the resumed epoch goes on after it (see the docs).
+        assert resumed == uninterrupted[:2] + uninterrupted[3:]
+
+
+@needs_lightning
+def test_lightning_resumes_a_cycled_combined_loader_exactly(tmp_path: Path) -> None:
+    # max_size_cycle restarts the short loader inside the epoch: its next shuffle draws from its
+    # generator, which its state restores (the global RNG is not restored: see the FAQ).
+    from lightning.pytorch.utilities import CombinedLoader
+
+    def make() -> Any:
+        long = DataLoaderX(
+            _numbers(20), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(1)
+        )
+        short = DataLoaderX(
+            _numbers(6), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(2)
+        )
+        return CombinedLoader({"long": long, "short": short}, mode="max_size_cycle")
+
+    uninterrupted, resumed = _resume_fit(make, tmp_path, stop_at=17)  # the short loader cycled
+    assert resumed == uninterrupted
+    assert len(uninterrupted) == 10

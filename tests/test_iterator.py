@@ -13,6 +13,8 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Iterator
+from typing import Any
 
 import psutil
 import pytest
@@ -29,6 +31,7 @@ from tests.helpers import (
     Squares,
     Stream,
     as_lists,
+    both,
     child_pids,
     new_children,
     wait_until,
@@ -543,3 +546,43 @@ def test_interleaved_iterators_keep_their_own_stats() -> None:
     as_lists(second)
     assert (first.stats.batches, second.stats.batches) == (1, 4)
     first.close()
+
+
+@pytest.mark.parametrize("step_s", [0.0, 0.003], ids=["short-steps", "long-steps"])
+def test_the_call_that_ends_an_epoch_is_the_loops_own(step_s: float) -> None:
+    # RandomSampler draws from the loader's generator once more after its last index. A thread
+    # that ran a left epoch to its end made that draw, which DataLoader never makes: every later
+    # epoch of the loader changed (Lightning's CombinedLoader restarting a shorter loader).
+    def run(cls: type[DataLoader[Any]]) -> list[Any]:
+        loader = cls(Squares(12), batch_size=2, shuffle=True, generator=torch.Generator())
+        seen = []
+        for taken in (2, 5, 6, 3):  # epochs left at several points, and one run to its end
+            iterator = iter(loader)
+            for _, batch in zip(range(taken), iterator, strict=False):
+                seen.append(batch.tolist())
+                time.sleep(step_s)
+            del iterator
+        return seen
+
+    expected, got = both(run)
+    assert got == expected
+
+
+def test_batches_past_len_come_from_the_loops_thread() -> None:
+    # A batch sampler's len() is only a promise: the batches past it come all the same.
+    class Longer(torch.utils.data.Sampler[list[int]]):
+        def __len__(self) -> int:
+            return 3
+
+        def __iter__(self) -> Iterator[list[int]]:
+            return iter([[i] for i in range(6)])
+
+    callers: list[str] = []
+
+    def remember(batch: Any) -> Any:
+        callers.append(threading.current_thread().name)
+        return batch
+
+    loader = DataLoaderX(range(6), batch_sampler=Longer(), collate_fn=remember, max_prefetch=2)
+    assert [x for [x] in loader] == list(range(6))
+    assert callers[3:] == ["MainThread"] * 3

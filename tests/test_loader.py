@@ -740,3 +740,28 @@ def test_soak_random_use_of_several_iterators(
     finally:
         _shut(plain_loader)
         _shut(loader)
+
+
+class _Mixing:
+    """A collate function with timm's ``FastCollateMixup`` switch: mixed batches are negated."""
+
+    def __init__(self) -> None:
+        self.mixup_enabled = True
+
+    def __call__(self, items: list[int]) -> torch.Tensor:
+        batch = torch.tensor(items)
+        return -batch if self.mixup_enabled else batch
+
+
+def test_timm_turns_mixup_off_through_the_loader() -> None:
+    loader = DataLoaderX(range(4), batch_size=2, collate_fn=_Mixing(), max_prefetch=1)
+    assert [b.tolist() for b in loader] == [[0, -1], [-2, -3]]
+    # timm's train.py, once epoch >= mixup_off_epoch, with a prefetching loader:
+    if loader.mixup_enabled:
+        loader.mixup_enabled = False
+    assert loader.collate_fn.mixup_enabled is False
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+    plain = DataLoaderX(range(4), batch_size=2)  # no switch: off, and setting it does nothing
+    assert plain.mixup_enabled is False
+    plain.mixup_enabled = True
+    assert plain.mixup_enabled is False

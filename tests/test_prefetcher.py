@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -98,3 +99,96 @@ def test_bad_arguments_name_themselves() -> None:
         Prefetcher([], device_prefetch=1.5)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         len(Prefetcher(iter([1, 2])))
+
+
+def test_what_frameworks_read_is_the_loaders() -> None:
+    sampler = torch.utils.data.RandomSampler(range(10))
+    loader = DataLoader(Squares(10), batch_size=4, sampler=sampler)
+    batches = Prefetcher(loader)
+    assert batches.dataset is loader.dataset
+    assert batches.sampler is sampler
+    assert batches.batch_sampler is loader.batch_sampler
+    assert (batches.batch_size, batches.drop_last, len(batches)) == (4, False, 3)
+    assert not hasattr(batches, "set_epoch")  # as the loader: frameworks test with hasattr
+    assert not hasattr(Prefetcher(loader), "_iterator")  # private names stay private
+    epochs = _EpochCounting()
+    Prefetcher(epochs).set_epoch(7)
+    assert epochs.epoch == 7
+
+
+class _EpochCounting:
+    """A loader whose epoch advances when an epoch runs to its end, as accelerate's does."""
+
+    def __init__(self, batches: int = 6, length: int | None = None) -> None:
+        self.epoch = 0
+        self.batches = batches
+        self.length = batches if length is None else length
+        self.callers: list[str] = []
+        self.ends: list[str] = []
+        """The threads each epoch ended in."""
+
+    def __len__(self) -> int:
+        return self.length
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Any:
+        shuffle = torch.Generator().manual_seed(self.epoch)
+        for batch in torch.randperm(2 * self.batches, generator=shuffle).view(self.batches, 2):
+            self.callers.append(threading.current_thread().name)
+            yield batch
+        self.ends.append(threading.current_thread().name)
+        self.epoch += 1
+
+
+def _epochs(batches: Any, take_len: bool, step_s: float) -> list[list[int]]:
+    """Three epochs: each to its end, or only ``len()`` batches, as the Trainer takes them."""
+    seen = []
+    for _ in range(3):
+        iterator = iter(batches)
+        steps = range(len(batches)) if take_len else iter(int, 1)
+        for _, batch in zip(steps, iterator, strict=False):
+            seen.append(batch.tolist())
+            time.sleep(step_s)
+        del iterator
+    return seen
+
+
+@pytest.mark.parametrize("take_len", [False, True], ids=["to-the-end", "len-batches"])
+@pytest.mark.parametrize("step_s", [0.0, 0.003], ids=["short-steps", "long-steps"])
+def test_yields_what_the_loader_yields_epoch_by_epoch_whatever_the_step_time(
+    take_len: bool, step_s: float
+) -> None:
+    expected = _epochs(_EpochCounting(), take_len, 0.0)
+    assert (expected[:6] == expected[6:12]) is take_len  # the loader's next epoch never began
+    source = _EpochCounting()
+    assert _epochs(Prefetcher(source, max_prefetch=3), take_len, step_s) == expected
+    # The call that ends an epoch is the loop's own, and only when it makes it.
+    assert source.ends == ([] if take_len else ["MainThread"] * 3)
+
+
+def test_batches_past_the_loaders_len_come_through_the_same_stages() -> None:
+    images = torch.randint(0, 256, (5, 3, 2, 2), dtype=torch.uint8)
+
+    class Longer(_EpochCounting):
+        def __iter__(self) -> Any:
+            for image in images:
+                self.callers.append(threading.current_thread().name)
+                time.sleep(0.002)
+                yield image[None]
+
+    source = Longer(batches=5, length=3)
+    batches = Prefetcher(source, mean=[1, 2, 3], std=[2, 2, 2], max_prefetch=2)
+    got = [x for x in batches]
+    assert len(got) == 5
+    mean = torch.tensor([1.0, 2, 3]).view(1, 3, 1, 1)
+    for x, image in zip(got, images, strict=True):
+        torch.testing.assert_close(x, (image[None].float() - mean) / 2)
+    assert source.callers[3:] == ["MainThread", "MainThread"]  # past len(): in the loop's thread
+
+
+def test_an_error_counts_as_one_of_len_batches() -> None:
+    loader = DataLoader(Squares(10, fail_at=5), batch_size=2)
+    batches = Prefetcher(loader, max_prefetch=4)
+    assert outcomes(iter(batches)) == outcomes(iter(loader))

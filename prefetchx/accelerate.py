@@ -1,0 +1,263 @@
+"""Hugging Face accelerate: its prepared loaders, with both prefetch stages beneath its iteration.
+
+accelerate's ``prepare()`` rebuilds every loader as its own class (``DataLoaderShard``, or
+``DataLoaderDispatcher``) over a plain `DataLoader`, and decides where the epoch ends from its
+own one-batch lookahead: a wrapper that reads ahead of it would flip ``end_of_dataloader`` early
+(optimizer steps lost under gradient accumulation, evaluation samples dropped). The functions
+here keep accelerate's loader exactly as accelerate made it and replace only the plain
+`DataLoader` inside it by a `DataLoaderX` with the same arguments: accelerate's sharding,
+``set_epoch``, lookahead, ``end_of_dataloader``/``remainder``, gradient-accumulation sync and
+device placement run unchanged, and its lookahead pulls from the stages, which run ahead
+beneath it.
+
+- `prepare`: ``accelerator.prepare(...)`` for objects that include a `DataLoaderX`.
+- `add_stages`: the stages beneath a loader accelerate has prepared already (the Hugging Face
+  Trainer's, in a ``get_train_dataloader`` override).
+- `skip_first_batches`: accelerate's, for a mid-epoch resume, keeping the stages.
+
+Importing this module imports accelerate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import accelerate.data_loader as accelerate_data_loader
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from prefetchx._loader import PREFETCH_DEFAULTS, DataLoaderX, accelerate_preparing
+from prefetchx._prefetcher import Prefetcher
+
+__all__ = ["add_stages", "prepare", "skip_first_batches"]
+
+# DataLoader's arguments besides those that choose the batches (sampler, batch sampler, batch
+# size, drop_last), which the rebuild takes as the loader resolved them.
+_BATCHING = ("dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
+_OTHER_ARGS = tuple(
+    name
+    for name in inspect.signature(DataLoader.__init__).parameters
+    if name != "self" and name not in _BATCHING
+)
+
+
+def prepare(accelerator: Any, *objects: Any, device_placement: list[bool] | None = None) -> Any:
+    """``accelerator.prepare(*objects)``, keeping the stages of every `DataLoaderX` among them.
+
+    Everything is prepared by accelerate itself, as ``accelerator.prepare`` would, and comes back
+    in the same order (one object alone, unpacked). A `DataLoaderX` comes back as the loader
+    accelerate makes of it, sharded, registered for ``save_state`` and for gradient
+    accumulation, with the `DataLoaderX`'s stages and arguments beneath accelerate's iteration
+    (see `add_stages`).
+
+    Args:
+        accelerator: An ``accelerate.Accelerator``.
+        *objects: What ``accelerator.prepare`` takes: loaders, models, optimizers, schedulers.
+        device_placement: As ``accelerator.prepare``'s.
+
+    Returns:
+        The prepared objects, as ``accelerator.prepare`` returns them.
+
+    Raises:
+        ValueError: The accelerator uses ``use_stateful_dataloader=True`` (not supported; a
+            `DataLoaderX` has its own ``state_dict``).
+        TypeError: accelerate made a loader of a kind that cannot take the stages (XLA's).
+
+    Example:
+        ```python
+        model, optimizer, loader = prefetchx.accelerate.prepare(
+            accelerator, model, optimizer, DataLoaderX(dataset, batch_size=64, mean=..., std=...)
+        )
+        ```
+    """
+    with _preparing():
+        result = accelerator.prepare(*objects, device_placement=device_placement)
+    prepared = result if len(objects) > 1 else (result,)
+    for given, made in zip(objects, prepared, strict=True):
+        if isinstance(given, DataLoaderX) and made is not given:
+            _beneath(made, _stages_of(given), pin_host=given._pipeline.pin_host)
+    return result
+
+
+def add_stages(
+    loader: Any,
+    *,
+    max_prefetch: int = 2,
+    device: str | torch.device | int | None = None,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
+    dtype: torch.dtype | None = None,
+    channels_last: bool = False,
+    input_key: int | str = 0,
+    device_prefetch: int = 1,
+    non_blocking: bool = True,
+) -> Any:
+    """Put both stages beneath a loader accelerate prepared, in place, and return it.
+
+    The `DataLoader` inside accelerate's loader is replaced by a `DataLoaderX` with the same
+    arguments (the same dataset, batch sampler, collate function, workers and generator objects)
+    and these prefetch arguments; accelerate's loader itself is unchanged, so it shards, sets
+    epochs, looks one batch ahead, reports ``end_of_dataloader``/``remainder`` and places
+    batches exactly as before, on batches the stages made ahead. A loader that has the stages
+    already is returned as it is.
+
+    Batches go where accelerate puts them: ``device=None`` means accelerate's device when it
+    places batches, else the host (normalized in the thread). accelerate's lookahead holds one
+    batch more than a `DataLoaderX` alone: with a device stage, one more batch on the device.
+
+    Args:
+        loader: What ``accelerator.prepare`` or ``accelerator.prepare_data_loader`` returned for
+            a `DataLoader` (a ``DataLoaderShard`` or ``DataLoaderDispatcher``).
+        max_prefetch: As `DataLoaderX`'s, and the arguments after it.
+        device: As `DataLoaderX`'s; ``None``: where accelerate places batches.
+        mean: As `DataLoaderX`'s.
+        std: As `DataLoaderX`'s.
+        dtype: As `DataLoaderX`'s.
+        channels_last: As `DataLoaderX`'s.
+        input_key: As `DataLoaderX`'s.
+        device_prefetch: As `DataLoaderX`'s.
+        non_blocking: As `DataLoaderX`'s.
+
+    Returns:
+        ``loader``, with the stages.
+
+    Raises:
+        TypeError: ``loader`` is not a loader accelerate prepared, or is XLA's.
+        ValueError: ``loader`` wraps a torchdata ``StatefulDataLoader``
+            (``use_stateful_dataloader=True``), or a prefetch argument is bad.
+
+    Example:
+        ```python
+        class PrefetchingTrainer(transformers.Trainer):
+            def get_train_dataloader(self):
+                return prefetchx.accelerate.add_stages(super().get_train_dataloader())
+        ```
+    """
+    stages = {name: value for name, value in locals().items() if name in PREFETCH_DEFAULTS}
+    _beneath(loader, stages, pin_host=True)
+    return loader
+
+
+def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+    """accelerate's ``skip_first_batches``, keeping the stages of a loader that has them.
+
+    accelerate rebuilds the loader to skip the first ``num_batches`` at the sampler, without
+    loading them, as a plain `DataLoader`; this puts the same stages beneath the loader it
+    returns. Any other loader gets accelerate's result unchanged.
+
+    The Hugging Face Trainer calls accelerate's function from its own module on a mid-epoch
+    resume: ``transformers.trainer.skip_first_batches = prefetchx.accelerate.skip_first_batches``
+    keeps the stages there too.
+
+    Args:
+        dataloader: A loader, prepared by accelerate or not.
+        num_batches: How many batches to skip.
+
+    Returns:
+        A loader that yields the batches after the first ``num_batches``.
+    """
+    if isinstance(dataloader, Prefetcher) and dataloader._accelerates is not None:
+        dataloader = dataloader._accelerates  # its copy of accelerate's loader, with the stages
+    skipped = accelerate_data_loader.skip_first_batches(dataloader, num_batches=num_batches)
+    source = dataloader.base_dataloader if _is_accelerates(dataloader) else dataloader
+    if not isinstance(source, DataLoaderX):
+        return skipped
+    stages = _stages_of(source)
+    if _is_accelerates(skipped):
+        _beneath(skipped, stages, pin_host=source._pipeline.pin_host)
+        return skipped
+    return _rebuild(skipped, stages, pin_host=source._pipeline.pin_host)
+
+
+def _copy_with_stages(loader: Any, stages: dict[str, Any]) -> Any:
+    """A copy of accelerate's ``loader`` with the stages beneath it; ``loader`` is unchanged.
+
+    For `Prefetcher`, which must not change the loader it is given. The copy shares everything
+    with ``loader`` (dataset, samplers, accelerate's settings) but its epoch counter, its
+    end-of-data state and the `DataLoaderX` inside it.
+    """
+    if not _is_accelerates(loader):
+        raise TypeError(f"prefetchx: not a loader accelerate prepared: {type(loader).__name__}")
+    copy = object.__new__(type(loader))
+    copy.__dict__.update(loader.__dict__)
+    _beneath(copy, stages, pin_host=True)
+    return copy
+
+
+def _beneath(loader: Any, stages: dict[str, Any], *, pin_host: bool) -> None:
+    """Replace the `DataLoader` inside accelerate's ``loader`` by a `DataLoaderX` twin."""
+    if not _is_accelerates(loader):
+        raise TypeError(
+            "prefetchx: expected a loader accelerate prepared (DataLoaderShard or "
+            f"DataLoaderDispatcher), got {type(loader).__name__}; XLA's MpDeviceLoaderWrapper "
+            "cannot take the stages."
+        )
+    base = loader.base_dataloader
+    if isinstance(base, DataLoaderX):
+        return
+    if getattr(loader, "use_stateful_dataloader", False):
+        raise ValueError(
+            "prefetchx: accelerate was configured with use_stateful_dataloader=True, which wraps "
+            "a torchdata StatefulDataLoader; the stages cannot go beneath it. Leave it off: a "
+            "DataLoaderX has its own state_dict() for exact mid-epoch resume."
+        )
+    stages = dict(stages)
+    if stages["device"] is None:
+        stages["device"] = _placement(loader)
+    loader.base_dataloader = _rebuild(base, stages, pin_host=pin_host)
+
+
+def _rebuild(base: DataLoader[Any], stages: dict[str, Any], *, pin_host: bool) -> DataLoaderX[Any]:
+    """A `DataLoaderX` that draws and yields as ``base`` does, with the given stages.
+
+    The same objects (dataset, sampler or batch sampler, collate function, generator, worker
+    settings) are handed over, so samplers' epochs and generators stay shared with ``base``.
+    """
+    kwargs: dict[str, Any] = {name: getattr(base, name) for name in _OTHER_ARGS}
+    if not kwargs["pin_memory"]:
+        del kwargs["pin_memory"]  # DataLoader's default; an explicit False would turn pinning off
+    if isinstance(base.dataset, IterableDataset):
+        kwargs.update(batch_size=base.batch_size, drop_last=base.drop_last)
+    elif base.batch_sampler is None:  # no batching: one sample at a time
+        kwargs.update(batch_size=None, sampler=base.sampler)
+    elif base.batch_size is None:  # a batch sampler of its own
+        kwargs.update(batch_sampler=base.batch_sampler)
+    else:
+        kwargs.update(batch_size=base.batch_size, sampler=base.sampler, drop_last=base.drop_last)
+    twin: DataLoaderX[Any] = DataLoaderX(base.dataset, **kwargs, **stages)
+    twin._pipeline.pin_host = pin_host
+    # accelerate asks its loader whether it is prepared already, and its loader asks the
+    # DataLoader inside: this one is, and must not be prepared again without its stages.
+    twin._is_accelerate_prepared = True
+    return twin
+
+
+def _stages_of(loader: DataLoaderX[Any]) -> dict[str, Any]:
+    return {name: getattr(loader, name) for name in PREFETCH_DEFAULTS}
+
+
+def _placement(loader: Any) -> torch.device | str:
+    """Where accelerate's ``loader`` puts batches: its device, or the host."""
+    if isinstance(loader, accelerate_data_loader.DataLoaderDispatcher):
+        return torch.device(loader.state.device)
+    device = loader.__dict__.get("device")  # DataLoaderShard's; None when it does not place
+    return device if device is not None else "cpu"
+
+
+def _is_accelerates(loader: Any) -> bool:
+    # type(), not isinstance(): accelerate's loaders report the class of the DataLoader inside.
+    return issubclass(type(loader), accelerate_data_loader.DataLoaderAdapter)
+
+
+@contextlib.contextmanager
+def _preparing() -> Iterator[None]:
+    """While prefetchx has accelerate prepare a `DataLoaderX`, it does not warn."""
+    previous = getattr(accelerate_preparing, "active", False)
+    accelerate_preparing.active = True
+    try:
+        yield
+    finally:
+        accelerate_preparing.active = previous
