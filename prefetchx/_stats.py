@@ -250,8 +250,8 @@ class EpochStats:
     @property
     def thread_step_cost(self) -> float:
         """How much longer a step takes with the thread running beside it than without:
-        the mean step of each compared, ``0.25`` for 25% longer; ``nan`` unless each was
-        seen `COMPARE_AT_LEAST` times.
+        the mean step of each compared, ``0.25`` for 25% longer; ``nan`` until each was
+        seen 8 times.
 
         The thread shares the GIL and the cores with the step: a step that needs them runs
         slower while the thread makes batches, which the loop's waits do not show. The two
