@@ -2,7 +2,8 @@
 
 A loop whose batches cost ``data`` ms of work to produce and ``step`` ms to train on (sleep,
 GIL-releasing numpy, pure Python), over a grid of costs and queue depths: the wider grid behind
-``python -m prefetchx bench``. Arms are interleaved in one process; figures are medians.
+``python -m prefetchx bench``. Arms run in paired rounds in one process; figures are medians of
+the per-round ratios, with their spread.
 
 Usage:
     python benchmarks/thread_stage.py [--depths 1 2 4] [--json PATH]
@@ -14,7 +15,8 @@ import argparse
 import json
 import sys
 
-from prefetchx.bench.synthetic import Case, as_rows, format_table, machine_meta, measure
+from prefetchx.bench.cli import NO_RECIPE
+from prefetchx.bench.synthetic import Case, as_rows, format_table, legend, machine_meta, measure
 
 GRID = [
     Case("sleep", 5, 5, 100, rounds=5),
@@ -25,8 +27,8 @@ GRID = [
     Case("sleep", 5, 0, 60, rounds=5),
     Case("numpy", 5, 5, 60, rounds=5),
     Case("python", 5, 5, 60, rounds=5),
-    Case("sleep", 0, 0, 20000, rounds=7, arms=("plain", "prefetchx")),
-    Case("sleep", 0, 0, 2000, rounds=5),
+    Case("sleep", 0, 0, 20000, rounds=7, arms=("plain", "prefetchx"), note=NO_RECIPE),
+    Case("sleep", 0, 0, 2000, note="shorter epochs, to run the recipe too"),
 ]
 
 
@@ -46,6 +48,7 @@ def main() -> int:
             results.extend(measure(case, max_prefetch=depth))
         print(f"\nmax_prefetch={depth}")
         print(format_table(results), flush=True)
+        print(legend(r.arm for r in results))
         runs.append({"max_prefetch": depth, "results": as_rows(results)})
     if args.json:
         with open(args.json, "w") as f:

@@ -18,6 +18,16 @@ INPUT_BOUND_FRACTION = 0.05
 FOLD_EVERY = 1024
 """Samples a series gathers before they are folded into its totals and window."""
 
+COMPARE_AT_LEAST = 8
+"""Steps the meter needs with the thread running and without it before it compares the two."""
+
+THREAD_SLOWS_ABOVE = 0.05
+"""Above this relative slowdown of the step with the thread running, the verdict says so."""
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e6:.0f} us" if seconds < 1e-3 else f"{seconds * 1e3:.2f} ms"
+
 
 class Series:
     """Running total and count of a per-batch duration, with a window for percentiles.
@@ -122,6 +132,9 @@ class EpochStats:
       first of the epoch, or while the thread was parked) counts in ``wait`` only. It is wall
       time, so it includes the thread's waits for the GIL.
     * ``occupancy``: batches waiting in the queue when the loop asked the thread for one.
+    * ``step_threaded``: the steps the thread ran beside (those before a batch taken from its
+      queue); the other steps ran with the thread parked or absent. Their means compared are
+      what the thread costs the step, the GIL and the cores it takes (`thread_step_cost`).
     * ``gpu_idle``: with a CUDA device stage, the time the caller's stream sat idle waiting for
       each batch, measured on the GPU with events (the first batch's in ``gpu_warmup_s``). The
       loop may wait in ``next()`` while the GPU is still busy with the steps it queued; this is
@@ -152,10 +165,34 @@ class EpochStats:
         self.gpu_warmup_s = math.nan
         """The caller's stream's idle time before the epoch's first batch; ``nan`` without
         a CUDA device stage or before its events complete."""
+        self.step_threaded = Series()
+        self._steps_filed = 0
+        self._add_occupancy = self.occupancy.add
+        # The stages sample the occupancy once per outcome taken from the thread's queue, and
+        # only then, just after recording the step before it: the sample marks that step as
+        # one the thread ran beside. Hooked here, it costs nothing to batches made inline.
+        self.occupancy.add = self._taken_from_thread
+
+    def _taken_from_thread(self, waiting: float) -> None:
+        self._add_occupancy(waiting)
+        step = self.step
+        # Steps recorded so far; exact in the loop's thread, which alone appends and folds
+        # them (a fold from another thread could file one step wrongly, once).
+        recorded = step._count + len(step.pending)
+        if recorded != self._steps_filed and step.pending:
+            self._steps_filed = recorded  # a device stage may take several batches per step
+            self.step_threaded.add(step.pending[-1])
 
     def fold(self) -> None:
         """Bring every total up to date now; reading one does it by itself."""
-        for series in (self.wait, self.step, self.produce, self.occupancy, self.gpu_idle):
+        for series in (
+            self.wait,
+            self.step,
+            self.produce,
+            self.occupancy,
+            self.gpu_idle,
+            self.step_threaded,
+        ):
             series.fold()
 
     @property
@@ -193,14 +230,69 @@ class EpochStats:
         busy = (self.wait.total - self.warmup_s + self.step.total) / loops
         return min(1.0, idle / busy) if busy > 0 else math.nan
 
+    def _inline_steps(self) -> tuple[float, int]:
+        """Total and count of the steps with the thread parked or absent.
+
+        The step after the epoch's last batch is left out: the thread was ending beside it.
+        """
+        total, count = self.step.total, self.step.count
+        if count and count >= self.wait.count:  # the loop asked past its last batch
+            total -= self.step.last(1)[0]
+            count -= 1
+        return total - self.step_threaded.total, count - self.step_threaded.count
+
+    @property
+    def step_inline_mean(self) -> float:
+        """Mean step with the thread parked or absent; ``nan`` before any."""
+        total, count = self._inline_steps()
+        return total / count if count > 0 else math.nan
+
+    @property
+    def thread_step_cost(self) -> float:
+        """How much longer a step takes with the thread running beside it than without:
+        the mean step of each compared, ``0.25`` for 25% longer; ``nan`` until each was
+        seen 8 times.
+
+        The thread shares the GIL and the cores with the step: a step that needs them runs
+        slower while the thread makes batches, which the loop's waits do not show. The two
+        means compare like with like when the steps are alike across the epoch.
+        """
+        total, count = self._inline_steps()
+        threaded = self.step_threaded
+        if threaded.count < COMPARE_AT_LEAST or count < COMPARE_AT_LEAST or total <= 0:
+            return math.nan
+        return threaded.mean / (total / count) - 1
+
+    def _thread_clause(self) -> str:
+        """What the verdict adds about the thread's cost to the step, if the thread ran."""
+        if not self.step_threaded.count:
+            return ""  # no step ran beside the thread: it cost the step nothing
+        cost = self.thread_step_cost
+        if math.isnan(cost):
+            return (
+                "; the step was not timed without the thread, which may slow it (the GIL and "
+                "the cores it takes): compare with max_prefetch=0"
+            )
+        means = (
+            f"{_duration(self.step_threaded.mean)} a step with it running, "
+            f"{_duration(self.step_inline_mean)} without"
+        )
+        if cost > THREAD_SLOWS_ABOVE:
+            return f"; but the thread slows the step by {cost:.0%} ({means}): try max_prefetch=0"
+        return f"; the thread does not slow the step ({means})"
+
     def verdict(self) -> str:
-        """One line that says whether data loading holds the loop back.
+        """One line that says whether data loading holds the loop back, and whether the
+        thread slows the step (see `thread_step_cost`).
 
         With GPU samples, it goes by the GPU's idle time rather than the loop's waits: a loop
         that runs ahead of the GPU may wait in ``next()`` while the GPU is still busy.
         """
         if self.wait.count == 0:
             return "no batches yet"
+        return self._data_verdict() + self._thread_clause()
+
+    def _data_verdict(self) -> str:
         gpu = self.gpu_idle_fraction
         if not math.isnan(gpu):
             if gpu > INPUT_BOUND_FRACTION:
@@ -234,6 +326,9 @@ class EpochStats:
             out[f"{name}_mean_s"] = series.mean
             out[f"{name}_p50_s"] = series.percentile(50)
             out[f"{name}_p95_s"] = series.percentile(95)
+        out["step_threaded_mean_s"] = self.step_threaded.mean
+        out["step_inline_mean_s"] = self.step_inline_mean
+        out["thread_step_cost"] = self.thread_step_cost
         out["queue_occupancy_mean"] = self.occupancy.mean
         out["input_bound_fraction"] = self.input_bound_fraction
         out["gpu_idle_total_s"] = self.gpu_idle.total

@@ -5,55 +5,268 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from prefetchx.__main__ import main
-from prefetchx.bench.synthetic import Case, Work, machine_meta, measure
+from prefetchx.bench import cli
+from prefetchx.bench.paired import Spread, ratios, run_rounds
+from prefetchx.bench.synthetic import (
+    COLUMNS,
+    Case,
+    RunAhead,
+    Work,
+    bound,
+    conclude,
+    format_table,
+    legend,
+    machine_meta,
+    measure,
+    overlaps,
+    release,
+)
+from tests.helpers import Squares
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDED = ROOT / "benchmarks" / "results" / "bench-cpu-2core.json"
 
 
 def test_measure_shows_the_thread_overlapping_sleeps() -> None:
-    results = {r.arm: r for r in measure(Case("sleep", 10, 10, 12, rounds=3))}
+    results = {r.arm: r for r in measure(Case("sleep", 10, 10, 12))}
     assert set(results) == {"plain", "recipe", "prefetchx"}
-    assert results["plain"].speedup == pytest.approx(1.0)
-    # Serial is ~240 ms, overlapped ~130 ms. Efficiency compares each epoch with its own sleeps,
-    # so it holds on a VM whose sleeps overshoot; the speedup bound is loose for that reason.
+    plain, ours = results["plain"], results["prefetchx"]
+    assert plain.speedups == [1.0] * 5  # paired with itself, round by round
+    assert len(ours.speedups) == len(ours.epochs_s) == len(ours.bounds_s) == 5
+    assert ours.speedup_low <= ours.speedup <= ours.speedup_high
+    # Serial is ~240 ms, overlapped ~130 ms. The bound comes from plain's own sleeps in each
+    # round, so it holds on a VM whose sleeps overshoot; the speedup bound is loose for that.
     shown = {arm: (r.overlap_efficiency, r.speedup) for arm, r in results.items()}
-    assert results["prefetchx"].overlap_efficiency > 0.75, shown
-    assert results["plain"].overlap_efficiency < 0.6, shown
-    assert results["prefetchx"].speedup > 1.1, shown
+    assert ours.overlap_efficiency is not None
+    assert 0.75 < ours.overlap_efficiency < 1.05, shown
+    assert ours.speedup > 1.1, shown
+    # Plain's best is plain itself: it gets no prefetcher's bound, no overlap.
+    assert (plain.bound_s, plain.overlap_efficiency, plain.per_batch_us) == (None, None, None)
+    assert plain.data_call_ms is not None
+    assert 9 < plain.data_call_ms < 40  # a 10 ms sleep, as it came out
 
 
-def test_work_kinds_are_calibrated() -> None:
-    for kind in ("numpy", "python"):
-        work = Work(kind, 2.0)
-        start = time.perf_counter()
-        work()
-        elapsed = time.perf_counter() - start
-        assert work.spent == pytest.approx(elapsed, rel=0.5)
-        assert 0.0002 < elapsed < 0.1  # about 2 ms, loosely: calibration on a loaded machine
-    with pytest.raises(ValueError, match="`kind` must be one of"):
-        Work("gpu", 1.0)
+def test_a_case_with_no_work_has_no_bound() -> None:
+    results = measure(Case("sleep", 0, 0, 50, arms=("plain", "prefetchx", "inline", "floor")))
+    assert [r.arm for r in results] == ["plain", "prefetchx", "inline", "floor"]
+    for r in results:
+        assert r.bound_s is None
+        assert r.overlap_efficiency is None
+        assert len(r.speedups) == 5
+    with pytest.raises(ValueError, match="must include 'plain'"):
+        measure(Case("sleep", 0, 0, 5, arms=("recipe", "prefetchx")))
+
+
+# --- the bound, on fixed numbers -----------------------------------------------------------------
+
+
+def test_the_bound_when_data_dominates_is_all_the_data_and_the_last_step() -> None:
+    # The sleep 10/5 row, 30 batches. The old ideal, first data + max(total data, total step),
+    # counts the first batch's data twice: 310 ms. A prefetcher that keeps the producer busy
+    # takes 300 ms of data plus the last 5 ms step, so an epoch of 306 ms came out "overlap
+    # 1.013" and "-133 us over/batch". The bound is 305 ms: overlap below 1, over/batch > 0.
+    data, step = [0.010] * 30, [0.005] * 30
+    epoch = 0.306
+    old = data[0] + max(sum(data), sum(step))
+    assert old / epoch == pytest.approx(1.013, abs=1e-3)
+    assert (epoch - old) / 30 * 1e6 == pytest.approx(-133.3, abs=0.1)
+    assert bound(data, step) == pytest.approx(0.305)
+    assert bound(data, step) / epoch == pytest.approx(0.9967, abs=1e-4)
+    assert (epoch - bound(data, step)) / 30 * 1e6 == pytest.approx(33.3, abs=0.1)
+
+
+def test_the_bound_when_the_step_dominates_is_the_first_data_and_every_step() -> None:
+    assert bound([0.005] * 30, [0.010] * 30) == pytest.approx(0.005 + 0.300)
+    assert bound([0.005] * 50, [0.005] * 50) == pytest.approx(0.255)  # D = C: both terms agree
+
+
+def test_the_bound_is_the_pipelines_even_where_the_longest_chain_is_inside_the_epoch() -> None:
+    # A slow batch in the middle: it must be made after the data before it, and its step and
+    # the ones after it follow. Neither end's formula sees it.
+    data, step = [0.001, 0.010, 0.001], [0.001, 0.010, 0.001]
+    assert max(data[0] + sum(step), sum(data) + step[-1]) == pytest.approx(0.013)
+    assert bound(data, step) == pytest.approx(0.001 + 0.010 + 0.010 + 0.001)
+
+
+def test_the_bound_of_work_that_cannot_overlap_is_the_sum() -> None:
+    assert bound([0.005] * 4, [0.005] * 4, overlap=False) == pytest.approx(0.040)
+    assert bound([], [0.002] * 3) == pytest.approx(0.006)  # no data work: every step
+    assert bound([0.002] * 3, []) == pytest.approx(0.006)
+    assert bound([], []) == 0.0
+    assert overlaps("sleep", cpus=1)
+    assert overlaps("numpy", cpus=2)
+    assert not overlaps("numpy", cpus=1)  # one core: one of them at a time
+    assert not overlaps("python", cpus=16)  # the GIL
+
+
+# --- paired rounds --------------------------------------------------------------------------------
+
+
+def test_rounds_interleave_every_arm_and_rotate_the_order() -> None:
+    order: list[str] = []
+
+    def arm(name: str, seconds: float) -> Any:
+        def run() -> float:
+            order.append(name)
+            return seconds
+
+        return run
+
+    times = run_rounds({"plain": arm("plain", 2.0), "a": arm("a", 1.0), "b": arm("b", 4.0)}, 3)
+    assert order == ["plain", "a", "b", "a", "b", "plain", "b", "plain", "a"]
+    assert times == {"plain": [2.0] * 3, "a": [1.0] * 3, "b": [4.0] * 3}
+    got = ratios(times)
+    assert got["a"].median == 2.0
+    assert got["b"].median == 0.5
+    assert got["plain"].rounds == [1.0, 1.0, 1.0]
+
+
+def test_ratios_are_taken_within_each_round() -> None:
+    # The machine slows down in round 2: both arms take twice as long. Unpaired medians would
+    # mix rounds; the paired ratio stays 1.25 in every round.
+    times = {"plain": [1.0, 2.0, 1.0, 1.0, 2.0], "x": [0.8, 1.6, 0.8, 0.8, 1.6]}
+    spread = ratios(times)["x"]
+    assert spread.rounds == pytest.approx([1.25] * 5)
+    assert spread.ratio() == "1.25x (1.25-1.25)"
+    with pytest.raises(ValueError, match="ratios pair them round by round"):
+        ratios({"plain": [1.0, 1.0], "x": [1.0]})
+    with pytest.raises(ValueError, match="one value per round"):
+        Spread.of([])
+
+
+@pytest.mark.parametrize(
+    ("rounds", "verdict"),
+    [
+        ([1.10, 1.05, 1.20, 1.08, 1.12], "faster"),
+        ([0.90, 0.95, 0.85, 0.92, 0.93], "slower"),
+        ([1.10, 0.99, 1.20, 1.08, 1.12], "same"),  # one round disagrees
+        ([1.01, 1.01, 1.015, 1.01, 1.01], "same"),  # every round agrees, by too little
+    ],
+)
+def test_a_spread_says_faster_or_slower_only_when_every_round_agrees(
+    rounds: list[float], verdict: str
+) -> None:
+    assert Spread.of(rounds).verdict == verdict
+
+
+# --- what the output says -------------------------------------------------------------------------
+
+
+def _spread(median: float, low: float, high: float) -> Spread:
+    return Spread(median, low, high, [low, median, high])
+
+
+def test_the_conclusion_is_one_sentence_for_each_outcome() -> None:
+    faster, slower, same = _spread(1.9, 1.8, 2.0), _spread(0.8, 0.7, 0.9), _spread(1.0, 0.9, 1.1)
+    mixed = conclude([("sleep 5/5 ms", faster), ("no work", slower), ("python", same)])
+    assert mixed == (
+        "On this machine, DataLoaderX was faster than a plain DataLoader in 1 of 3 loops (up "
+        "to 1.90x, sleep 5/5 ms) and slower in 1 (down to 0.80x, no work): use it where your "
+        "data or step work releases the GIL, and time your own loop against max_prefetch=0 "
+        "elsewhere."
+    )
+    assert conclude([("a", faster), ("b", same)]).endswith("switching costs nothing here.")
+    assert conclude([("a", slower), ("b", same)]).endswith(
+        "keep the plain DataLoader here unless your own loop, timed, says otherwise."
+    )
+    assert conclude([("a", same)]).endswith("switching neither gains nor costs here.")
+    assert conclude([("a", same)], quick=True).startswith(
+        "On this machine (a --quick run, too short to decide from), "
+    )
+    for sentence in (mixed, conclude([("a", faster)]), conclude([("a", slower)])):
+        assert sentence.count(". ") == 0
+        assert sentence.endswith(".")
+
+
+def test_rows_that_look_alike_say_how_they_differ() -> None:
+    for grid in (cli.DEFAULT_GRID, cli.QUICK_GRID):
+        seen: dict[tuple[str, float, float], list[Case]] = {}
+        for case in grid:
+            seen.setdefault((case.kind, case.data_ms, case.step_ms), []).append(case)
+        for alike in seen.values():
+            if len(alike) > 1:
+                assert len({(c.batches, c.arms, c.note) for c in alike}) == len(alike)
+                assert all(c.note for c in alike), alike
+
+
+def test_the_table_names_every_case_and_explains_every_column() -> None:
+    short = Case("sleep", 0, 0, 30, arms=("plain", "prefetchx"), note="the recipe left out")
+    results = measure(short) + measure(Case("sleep", 1, 1, 10, arms=("plain", "floor")))
+    table = format_table(results)
+    lines = table.splitlines()
+    assert lines[:2] == [
+        "no work: data 0 and step 0 ms a batch, 30 batches, 5 rounds",
+        "  (the recipe left out)",
+    ]
+    assert "sleep: data 1 and step 1 ms a batch (measured " in table
+    rows = [line.split() for line in table.splitlines() if line.startswith("  plain ")]
+    assert all(row[-3:] == ["-", "-", "-"] for row in rows)  # no bound for plain
+    floor = next(line for line in table.splitlines() if line.startswith("  floor "))
+    assert "-" not in floor.split(")")[1]  # a prefetching arm gets its bound
+    explained = legend(r.arm for r in results)
+    for column in COLUMNS:
+        assert f"  {column}: " in explained
+        assert column in lines[2]  # the head
+    for arm in ("plain", "prefetchx", "floor"):
+        assert f"  {arm}: " in explained
 
 
 def test_bench_quick_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
     assert main(["bench", "--quick", "--json", str(out)]) == 0
-    table = capsys.readouterr().out
+    shown = capsys.readouterr().out
     for arm in ("plain", "recipe", "prefetchx"):
-        assert arm in table
+        assert arm in shown
+    assert "Columns:" in shown
     data = json.loads(out.read_text())
     assert {row["arm"] for row in data["results"]} == {"plain", "recipe", "prefetchx"}
+    assert all(len(row["speedups"]) >= 5 for row in data["results"])
     assert data["meta"]["torch"]
     assert data["jpeg"] == []  # --quick skips the JPEG workload
+    # The run ends with its conclusion, the one the record keeps.
+    last = shown.strip().split("\n\n")[-1]
+    assert " ".join(last.split()) == data["conclusion"]
+    assert data["conclusion"].startswith("On this machine (a --quick run")
+
+
+def test_a_full_run_explains_its_jpeg_rows_and_concludes_on_them_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("PIL")
+    # The full run's code, on a grid of one case and a JPEG workload of 2 batches.
+    monkeypatch.setattr(cli, "DEFAULT_GRID", [Case("sleep", 1, 1, 6)])
+    monkeypatch.setattr(cli, "JPEG_IMAGES", 8)
+    monkeypatch.setattr(cli, "JPEG_BATCH", 4)
+    monkeypatch.setattr(cli, "JPEG_WORKERS", (0,))
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--cpu-only", "--json", str(out)]) == 0
+    shown = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    threads = sorted({torch.get_num_threads(), 1}, reverse=True)  # the default and 1
+    assert [(r["torch_threads"], r["num_workers"]) for r in data["jpeg"]] == [
+        (t, 0) for t in threads
+    ]
+    for row in data["jpeg"]:
+        assert set(row["ratios"]) == {"plain", "recipe", "prefetchx"}
+        assert len(row["ratios"]["prefetchx"]["rounds"]) == 5
+    assert "recipe vs plain" in shown
+    assert "prefetchx vs plain" in shown
+    flat = " ".join(shown.split())
+    assert "Every arm normalizes in its collate_fn, with DataLoaderX's own normalization" in flat
+    assert f" {1 + len(threads)} loops" in data["conclusion"]  # the synthetic case and the JPEG
+    assert " ".join(shown.strip().split("\n\n")[-1].split()) == data["conclusion"]
 
 
 def test_meta_names_the_commit_of_a_checkout_or_of_a_copied_tree(
@@ -85,15 +298,102 @@ def test_bench_plot_writes_a_png(tmp_path: Path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_jpeg_workload_runs_both_arms() -> None:
+def test_jpeg_workload_runs_every_arm_in_paired_rounds() -> None:
     pytest.importorskip("PIL")
     from prefetchx.bench.jpeg import measure_jpeg
 
-    result = measure_jpeg(0, images=8, batch_size=4, rounds=1)
-    assert result.batches == 2
-    assert result.plain_s > 0
-    assert result.prefetchx_s > 0
+    before = torch.get_num_threads()
+    result = measure_jpeg(0, torch_threads=1, images=8, batch_size=4)
+    assert torch.get_num_threads() == before  # restored
+    assert (result.torch_threads, result.num_workers, result.batches) == (1, 0, 2)
+    assert set(result.ratios) == {"plain", "recipe", "prefetchx"}
+    assert all(len(times) == 5 for times in result.epochs_s.values())
+    assert result.spread("plain").rounds == [1.0] * 5
+    assert result.speedup == result.ratios["prefetchx"]["median"]
     assert result.verdict
+    assert result.label == "JPEG, 1 torch thread, 0 workers"
+
+
+def test_jpeg_arms_normalize_alike_and_stop_their_persistent_workers() -> None:
+    pytest.importorskip("PIL")
+    from prefetchx import DataLoaderX, fast_collate
+    from prefetchx.bench.jpeg import (
+        CROP,
+        MEAN,
+        STD,
+        JpegDataset,
+        NormalizingCollate,
+        jpeg_files,
+        measure_jpeg,
+    )
+
+    with jpeg_files(4) as paths:
+        dataset = JpegDataset(paths)
+        image, label = dataset[1]
+        assert image.shape == (CROP, CROP, 3)
+        assert label == 1
+        # Every arm's collate_fn: DataLoaderX's own normalization, bit for bit.
+        ours = DataLoaderX(dataset, batch_size=2, collate_fn=fast_collate, mean=MEAN, std=STD)
+        collate = NormalizingCollate()
+        for (x, y), (want, want_y) in zip(
+            torch.utils.data.DataLoader(dataset, batch_size=2, collate_fn=collate),
+            ours,
+            strict=True,
+        ):
+            assert x.dtype == torch.float32
+            assert torch.equal(x, want)
+            assert torch.equal(y, want_y)
+        result = measure_jpeg(1, images=4, batch_size=2, arms=("plain", "floor"), paths=paths)
+    assert set(result.ratios) == {"plain", "floor"}
+    # The shared fixture fails this test if a persistent worker is left running.
+
+
+def test_the_floor_arm_hands_over_every_item_and_every_error() -> None:
+    items = RunAhead(torch.utils.data.DataLoader(Squares(5), batch_size=None))
+    assert [int(x[0]) for x in items] == [0, 1, 2, 3, 4]
+    failing = RunAhead(torch.utils.data.DataLoader(Squares(5, fail_at=3), batch_size=None))
+    got = []
+    with pytest.raises(ValueError, match="boom at index 3"):
+        for x in failing:
+            got.append(int(x[0]))
+    assert got == [0, 1, 2]
+    assert not [t for t in threading.enumerate() if t.name == "bench-run-ahead"]
+
+
+def test_release_stops_persistent_workers_of_every_kind_of_arm() -> None:
+    from prefetchx.bench.synthetic import ARMS
+
+    kwargs = {"batch_size": None, "num_workers": 1, "persistent_workers": True}
+    for arm in ("plain", "recipe", "prefetchx", "floor"):
+        loader = ARMS[arm](Squares(4), 2, kwargs)
+        assert len(list(loader)) == 4
+        release(loader)
+        release(loader)  # idempotent
+    # The shared fixture fails this test if a worker is left running.
+
+
+def test_work_kinds_are_calibrated() -> None:
+    for kind in ("numpy", "python"):
+        work = Work(kind, 2.0)
+        start = time.perf_counter()
+        work()
+        elapsed = time.perf_counter() - start
+        assert work.spent == pytest.approx(elapsed, rel=0.5)
+        assert 0.0002 < elapsed < 0.1  # about 2 ms, loosely: calibration on a loaded machine
+    with pytest.raises(ValueError, match="`kind` must be one of"):
+        Work("gpu", 1.0)
+
+
+def test_short_work_is_made_of_small_units() -> None:
+    for kind in ("numpy", "python"):
+        work = Work(kind, 0.02)  # 20 us: one unit of a 5 ms work would take far longer
+        assert work.size == (1_000 if kind == "numpy" else 20) or work.reps > 1
+        for _ in range(20):
+            work()
+        assert len(work.calls) == 20
+        assert statistics.median(work.calls) < 0.002, (kind, work.size, work.reps)
+        work.calls.clear()
+        assert work.spent == 0.0
 
 
 def test_plot_without_matplotlib_says_how_to_get_it(
@@ -165,6 +465,7 @@ def test_the_plot_of_the_recorded_run_has_no_text_overlapping() -> None:
     fig = plot.figure(run)
     FigureCanvasAgg(fig).draw()
     assert run["meta"]["commit"] in fig.get_suptitle()
+    assert "recorded before paired rounds" in fig.get_suptitle()  # medians only, no whiskers
     (suptitle,) = [t for t in fig.findobj(Text) if t.get_text() == fig.get_suptitle()]
     heads = [suptitle.get_window_extent()] + [ax.title.get_window_extent() for ax in fig.axes]
     for i, head in enumerate(heads):
@@ -181,6 +482,36 @@ def test_the_plot_of_the_recorded_run_has_no_text_overlapping() -> None:
         box = text.get_window_extent()
         assert fig.bbox.contains(box.x0, box.y0), text.get_text()  # not cut off
         assert fig.bbox.contains(box.x1, box.y1), text.get_text()
+
+
+def test_the_plot_says_the_runs_conclusion_and_shows_the_rounds_spread() -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from prefetchx.bench import plot
+
+    run = json.loads(RECORDED.read_text())  # the shape of a record, with paired figures added
+    for row in run["results"]:
+        row.update(speedup_low=row["speedup"] * 0.9, speedup_high=row["speedup"] * 1.1)
+    for row in run["jpeg"]:
+        row["ratios"] = {
+            arm: {"median": 1.0, "low": 0.9, "high": 1.2}
+            for arm in ("plain", "recipe", "prefetchx")
+        }
+    run["conclusion"] = conclude([("sleep 5/5 ms", Spread.of([1.9, 1.8, 2.0]))])
+    fig = plot.figure(run)
+    FigureCanvasAgg(fig).draw()
+    assert "bars: median of the paired rounds" in fig.get_suptitle()
+    label = fig._supxlabel  # the conclusion, under the panels
+    assert label is not None
+    assert " ".join(label.get_text().split()) == run["conclusion"]
+    box = label.get_window_extent()
+    assert fig.bbox.contains(box.x0, box.y0)
+    assert fig.bbox.contains(box.x1, box.y1)
+    for ax in fig.axes:
+        bars = [c for c in ax.containers if getattr(c, "errorbar", None) is not None]
+        assert bars, ax.get_title()  # whiskers: the lowest and highest round
+        assert {c.get_label() for c in bars} <= {"recipe", "prefetchx"}  # plain is the line
 
 
 def test_benchmarks_plot_redraws_a_recorded_run(tmp_path: Path) -> None:

@@ -10,31 +10,52 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from prefetchx import __version__
-from prefetchx.bench.synthetic import ArmResult, Case, as_rows, format_table, machine_meta, measure
+from prefetchx.bench.paired import Spread
+from prefetchx.bench.record import depth
+from prefetchx.bench.synthetic import (
+    ArmResult,
+    Case,
+    as_rows,
+    conclude,
+    format_table,
+    legend,
+    machine_meta,
+    measure,
+    wrap,
+)
+
+if TYPE_CHECKING:
+    from prefetchx.bench.jpeg import JpegResult
+
+CONTROL = "the control: the GIL leaves nothing to overlap"
+NO_RECIPE = "the recipe left out: it is 5-10x slower here"
 
 DEFAULT_GRID = [
-    Case("sleep", 5, 5, 50, rounds=5),  # the overlap-efficiency target
-    Case("sleep", 10, 5, 30),
+    Case("sleep", 5, 5, 50),  # the overlap-efficiency target
+    Case("sleep", 10, 5, 30),  # data dominates
     Case("numpy", 5, 5, 40),
-    Case("python", 5, 5, 40),  # the control: the GIL leaves nothing to overlap
-    # No step work: long epochs, as each batch costs only microseconds, and the recipe apart,
-    # as it is 5-10x slower there.
-    Case("sleep", 0, 0, 20000, rounds=7, arms=("plain", "prefetchx")),  # the >= 0.9x target
-    Case("sleep", 0, 0, 2000),
+    Case("python", 5, 5, 40, note=CONTROL),
+    # No step work: long epochs, as each batch costs only microseconds, and the recipe apart.
+    Case("sleep", 0, 0, 20000, rounds=7, arms=("plain", "prefetchx"), note=NO_RECIPE),
+    Case("sleep", 0, 0, 2000, note="shorter epochs, to run the recipe too"),
 ]
 QUICK_GRID = [
-    Case("sleep", 5, 5, 30),
-    Case("python", 2, 2, 30, rounds=1),
-    Case("sleep", 0, 0, 10000, rounds=5, arms=("plain", "prefetchx")),
+    Case("sleep", 2, 2, 20),
+    Case("python", 1, 1, 20, note=CONTROL),
+    Case("sleep", 0, 0, 2000, arms=("plain", "prefetchx"), note=NO_RECIPE),
 ]
+JPEG_WORKERS = (0, 2)
+JPEG_IMAGES = 256
+JPEG_BATCH = 16
 
 
 def _log(line: str) -> None:
@@ -46,49 +67,90 @@ def _meta(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _synthetic(args: argparse.Namespace) -> list[ArmResult]:
-    print("\n== Synthetic loop: per-batch data and step cost; arms interleaved; medians ==")
+    print(
+        "\n== Synthetic loop: per-batch data and step cost, one kind of work; arms in paired "
+        "rounds =="
+    )
     results: list[ArmResult] = []
     for case in QUICK_GRID if args.quick else DEFAULT_GRID:
         results.extend(measure(case, max_prefetch=args.max_prefetch, progress=_log))
     print(format_table(results), flush=True)
+    print(legend(r.arm for r in results))
     return results
 
 
-def _jpeg() -> list[dict[str, Any]]:
-    print("\n== JPEG decode + small conv net step on the CPU (96 images, batch 16) ==")
+def _jpeg(args: argparse.Namespace) -> list[JpegResult]:
+    print(
+        f"\n== JPEG decode, crop and flip in the dataset, small conv net step on the CPU "
+        f"({JPEG_IMAGES} images, batch {JPEG_BATCH}) =="
+    )
     try:
         import PIL  # noqa: F401
     except ImportError:
         print("skipped: needs pillow (pip install pillow)")
         return []
-    from prefetchx.bench.jpeg import measure_jpeg
+    from prefetchx.bench.jpeg import jpeg_files, measure_jpeg
 
-    rows = []
-    default_threads = torch.get_num_threads()
+    arms = ("plain", "recipe", "prefetchx")
     print(
-        f"{'threads':>8} {'workers':>8} {'plain ms':>9} {'prefetchx ms':>13} {'speedup':>8}  "
-        "prefetchx stall meter"
+        (
+            f"{'threads':>7} {'workers':>7} {'plain ms':>9}  "
+            + "  ".join(f"{arm + ' vs plain':<19}" for arm in arms[1:])
+        ).rstrip()
     )
-    for threads in sorted({default_threads, 1}, reverse=True):
-        torch.set_num_threads(threads)
-        try:
-            for workers in (0, 2):
-                r = measure_jpeg(workers, images=96, progress=_log)
+    results = []
+    with jpeg_files(JPEG_IMAGES) as paths:
+        for threads in sorted({torch.get_num_threads(), 1}, reverse=True):
+            for workers in JPEG_WORKERS:
+                r = measure_jpeg(
+                    workers,
+                    torch_threads=threads,
+                    images=JPEG_IMAGES,
+                    batch_size=JPEG_BATCH,
+                    arms=arms,
+                    max_prefetch=args.max_prefetch,
+                    paths=paths,
+                    progress=_log,
+                )
+                plain_ms = statistics.median(r.epochs_s["plain"]) * 1e3
                 print(
-                    f"{threads:>8} {workers:>8} {r.plain_s * 1e3:>9.1f} "
-                    f"{r.prefetchx_s * 1e3:>13.1f} {r.speedup:>7.2f}x  {r.verdict}",
+                    (
+                        f"{threads:>7} {workers:>7} {plain_ms:>9.1f}  "
+                        + "  ".join(f"{r.spread(arm).ratio():<19}" for arm in arms[1:])
+                    ).rstrip(),
                     flush=True,
                 )
-                rows.append({"torch_threads": threads, **asdict(r)})
-        finally:
-            torch.set_num_threads(default_threads)
-    return rows
+                results.append(r)
+    print("DataLoaderX's stall meter on its last epoch:")
+    for r in results:
+        print(wrap(f"{r.label.removeprefix('JPEG, ')}: {r.verdict}"))
+    print(
+        wrap(
+            "Columns: threads: torch's intra-op threads for the step; workers: DataLoader "
+            "workers, persistent; plain ms: the plain arm's median epoch time; ARM vs plain: "
+            "as in the synthetic table. Every arm normalizes in its collate_fn, with "
+            "DataLoaderX's own normalization, so all in the same place: a worker, or without "
+            "workers the thread that makes the batch. Each arm runs one untimed epoch before "
+            "the rounds.",
+            indent="",
+        )
+    )
+    return results
 
 
 def _cuda() -> dict[str, Any]:
     from prefetchx.bench.cuda import report
 
     return report()
+
+
+def conclusion(synthetic: list[ArmResult], jpeg: list[JpegResult], quick: bool = False) -> str:
+    """The sentence a run ends with: DataLoaderX against plain in every loop it measured."""
+    loops: list[tuple[str, Spread]] = [
+        (r.case.label, r.spread) for r in synthetic if r.arm == "prefetchx"
+    ]
+    loops += [(r.label, r.spread("prefetchx")) for r in jpeg]
+    return conclude(loops, quick=quick)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -99,10 +161,16 @@ def _bench(args: argparse.Namespace) -> int:
         f"{platform.python_version()}, {os.cpu_count()} CPUs, commit {meta['commit']}"
     )
     synthetic = _synthetic(args)
-    jpeg = [] if args.quick else _jpeg()
+    jpeg = [] if args.quick else _jpeg(args)
     cuda = _cuda() if torch.cuda.is_available() and not args.cpu_only else {}
-    print(f"\ndone in {time.perf_counter() - started:.0f} s")
-    record = {"meta": meta, "results": as_rows(synthetic), "jpeg": jpeg, "cuda": cuda}
+    summary = conclusion(synthetic, jpeg, quick=args.quick)
+    record = {
+        "meta": meta,
+        "results": as_rows(synthetic),
+        "jpeg": [asdict(r) for r in jpeg],
+        "cuda": cuda,
+        "conclusion": summary,
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=2)
@@ -112,23 +180,13 @@ def _bench(args: argparse.Namespace) -> int:
 
         plot.save(record, args.plot)
         print(f"wrote {args.plot}")
+    print(f"\ndone in {time.perf_counter() - started:.0f} s\n")
+    print(wrap(summary, indent=""))  # the last word: what to conclude for this machine
     return 0
 
 
 # Each check runs while the arguments are parsed, so a bad value is a usage error naming the
 # option and the value before the bench starts, not a traceback after it.
-
-
-def _depth(value: str) -> int:
-    try:
-        depth = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}") from None
-    if depth == 0:
-        raise argparse.ArgumentTypeError("must be >= 1, got 0 (no thread: nothing to measure)")
-    if depth < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {depth}")
-    return depth
 
 
 def _output(value: str) -> str:
@@ -174,12 +232,12 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     bench.add_argument(
         "--quick",
         action="store_true",
-        help="a short run: three synthetic cases with fewer batches and rounds, and no JPEG "
-        "workload (the CUDA part, where there is one, runs in full)",
+        help="a short run: three synthetic cases with short epochs, and no JPEG workload (the "
+        "CUDA part, where there is one, runs in full)",
     )
     bench.add_argument(
         "--max-prefetch",
-        type=_depth,
+        type=depth,
         default=2,
         metavar="N",
         help="queue depth of the prefetching threads, >= 1 (default: 2)",

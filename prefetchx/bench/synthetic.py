@@ -3,24 +3,28 @@
 Each batch costs the producer ``data_ms`` and the training step ``step_ms`` of one kind of work:
 
 * ``sleep``: `time.sleep`, which releases the GIL (I/O waits behave alike);
-* ``numpy``: numpy ufuncs over a large array, single-threaded and releasing the GIL;
+* ``numpy``: numpy ufuncs over an array, single-threaded and releasing the GIL;
 * ``python``: a pure-Python loop, which holds the GIL: the control, where no thread can help.
 
-Arms run interleaved in one process with the order rotated every round, and each arm's epoch
-time is the median over rounds. Each epoch's ideal comes from the time its own data and step
-work took (a sleep on a busy machine overshoots by milliseconds), so overlap efficiency
-measures the loader, not the timer.
+Arms run in paired rounds (`prefetchx.bench.paired`): each round runs every arm once, back to
+back, and each arm's speed is taken against the plain ``DataLoader``'s within the round. A
+prefetching arm is also held against the *bound*, the shortest epoch any prefetcher could make of
+the round's work (`bound`), from the data and step times of the plain arm in the same round:
+there nothing runs beside the work, so its times hold no waits for the GIL or for a core.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import queue
 import statistics
 import subprocess
+import textwrap
+import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,37 +34,61 @@ from torch.utils.data import DataLoader, Dataset
 
 from prefetchx import __version__
 from prefetchx._loader import DataLoaderX
+from prefetchx.bench.paired import MIN_ROUNDS, Spread, ratios, run_rounds
 
 KINDS = ("sleep", "numpy", "python")
 
+UNITS = {"numpy": (1_000, 10_000, 100_000), "python": (20, 100, 500)}
+"""Sizes of one unit of work (array elements, loop iterations), smallest first; each `Work`
+takes the largest whose unit is at most half its cost, so short costs stay accurate."""
+
 
 class Work:
-    """A calibrated amount of one kind of work, about ``ms`` milliseconds, that times itself."""
+    """A calibrated amount of one kind of work, about ``ms`` milliseconds, that times each call.
+
+    ``calls`` holds the duration of each call since it was last cleared (in the process that
+    made the call: a DataLoader worker keeps its own).
+    """
 
     def __init__(self, kind: str, ms: float) -> None:
         if kind not in KINDS:
             raise ValueError(f"`kind` must be one of {KINDS}, got {kind!r}.")
         self.kind = kind
         self.ms = ms
-        self.spent = 0.0
+        self.calls: list[float] = []
         self.reps = 0
-        self._x = np.linspace(0.0, 1.0, 100_000)
-        self._out = np.empty_like(self._x)
+        self.size = 0
+        self._x = np.empty(0)
+        self._out = np.empty(0)
         if ms > 0 and kind != "sleep":
-            unit = min(self._time_unit() for _ in range(5))
+            for size in reversed(UNITS[kind]):
+                self._resize(size)
+                unit = min(self._time_unit() for _ in range(3))
+                if unit <= ms / 2e3:
+                    break
             self.reps = max(1, round(ms / 1e3 / unit))
+
+    def _resize(self, size: int) -> None:
+        self.size = size
+        self._x = np.linspace(0.0, 1.0, size)
+        self._out = np.empty_like(self._x)
 
     def _unit(self) -> None:
         if self.kind == "numpy":
             np.sin(self._x, out=self._out)
         else:
-            sum(i * i for i in range(500))
+            sum(i * i for i in range(self.size))
 
     def _time_unit(self) -> float:
         start = time.perf_counter()
         for _ in range(10):
             self._unit()
         return (time.perf_counter() - start) / 10
+
+    @property
+    def spent(self) -> float:
+        """Seconds the calls since the last ``calls.clear()`` took."""
+        return sum(self.calls)
 
     def __call__(self) -> None:
         if self.ms <= 0:
@@ -71,13 +99,13 @@ class Work:
         else:
             for _ in range(self.reps):
                 self._unit()
-        self.spent += time.perf_counter() - start
+        self.calls.append(time.perf_counter() - start)
 
 
 class WorkDataset(Dataset[torch.Tensor]):
     """``n`` small items, each costing one call of ``work`` to produce."""
 
-    def __init__(self, n: int, work: Work) -> None:
+    def __init__(self, n: int, work: Callable[[], None]) -> None:
         self.n = n
         self.work = work
 
@@ -100,38 +128,188 @@ class RecipeLoader(DataLoader[Any]):
         return BackgroundGenerator(super().__iter__(), max_prefetch=self.max_prefetch)  # type: ignore[no-any-return]
 
 
-ARMS: dict[str, Callable[[Dataset[Any], int], Iterable[Any]]] = {
-    "plain": lambda dataset, depth: DataLoader(dataset, batch_size=None),
-    "recipe": lambda dataset, depth: RecipeLoader(dataset, batch_size=None, max_prefetch=depth),
-    "prefetchx": lambda dataset, depth: DataLoaderX(dataset, batch_size=None, max_prefetch=depth),
+_END = object()
+
+
+class RunAhead:
+    """The floor of a threaded hand-off: a thread runs the loader's whole epoch ahead into an
+    unbounded `queue.SimpleQueue`, the cheapest hand-off Python has (no bound, no stop signal,
+    no lifecycle), so the consumer rarely waits for a wake-up. For full epochs only: leaving one
+    early waits for the thread to finish it.
+    """
+
+    def __init__(self, loader: Iterable[Any]) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[Any]:
+        source = iter(self.loader)  # on the calling thread, where DataLoader starts its workers
+        items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+        def run() -> None:
+            try:
+                for item in source:
+                    items.put(item)
+            except BaseException as exc:  # handed to the consumer, raised there
+                items.put(exc)
+            items.put(_END)
+
+        thread = threading.Thread(target=run, name="bench-run-ahead", daemon=True)
+        thread.start()
+        try:
+            while (item := items.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            thread.join()
+
+
+def release(loader: Iterable[Any]) -> None:
+    """Shut an arm's persistent workers down now, as the end of a measurement should."""
+    close = getattr(loader, "close", None)
+    if close is not None:  # DataLoaderX
+        close()
+    elif isinstance(loader, RunAhead):
+        release(loader.loader)
+    elif isinstance(loader, DataLoader) and loader._iterator is not None:
+        # DataLoader has no public call for it: its kept iterator shuts them down.
+        iterator, loader._iterator = loader._iterator, None
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+
+ArmFactory = Callable[[Dataset[Any], int, dict[str, Any]], Iterable[Any]]
+
+ARMS: dict[str, ArmFactory] = {
+    "plain": lambda dataset, depth, kw: DataLoader(dataset, **kw),
+    "recipe": lambda dataset, depth, kw: RecipeLoader(dataset, max_prefetch=depth, **kw),
+    "prefetchx": lambda dataset, depth, kw: DataLoaderX(dataset, max_prefetch=depth, **kw),
+    "inline": lambda dataset, depth, kw: DataLoaderX(dataset, max_prefetch=0, **kw),
+    "floor": lambda dataset, depth, kw: RunAhead(DataLoader(dataset, **kw)),
 }
-"""How each arm builds its loader from the dataset and the queue depth."""
+"""How each arm builds its loader from the dataset, the queue depth and DataLoader's arguments."""
+
+ARM_NOTES = {
+    "plain": "torch's DataLoader, the baseline",
+    "recipe": "the BackgroundGenerator recipe: a Queue(max_prefetch) thread over DataLoader",
+    "prefetchx": "DataLoaderX(max_prefetch=N), the thread stage with its inline switch",
+    "inline": "DataLoaderX(max_prefetch=0): no thread, DataLoaderX's own bookkeeping only",
+    "floor": "a thread running DataLoader a whole epoch ahead into a queue.SimpleQueue: the "
+    "cheapest threaded hand-off, the floor for the threaded arms",
+}
+"""What each arm is, as the outputs explain it."""
+
+PREFETCHING = ("recipe", "prefetchx", "floor")
+"""Arms that run the loader ahead in a thread: the bound means something for them only (plain
+and inline make each batch when asked, so their best is themselves)."""
+
+
+def overlaps(kind: str, cpus: int | None = None) -> bool:
+    """Whether data work and step work of ``kind`` can run at the same time in one process.
+
+    Sleeps always can; numpy work can with two cores or more; pure Python never can (the GIL).
+    """
+    if kind == "python":
+        return False
+    if kind == "numpy":
+        return (cpus if cpus is not None else _usable_cpus()) >= 2
+    return True
+
+
+def _usable_cpus() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux only
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
+def bound(data: Sequence[float], step: Sequence[float], overlap: bool = True) -> float:
+    """The shortest epoch any prefetcher could make of this work, in seconds.
+
+    Batch ``i`` costs ``data[i]`` to make and ``step[i]`` to train on (a side with no work may
+    be empty). Where the two cannot overlap (`overlaps`), the bound is their sum. Where they
+    can, it is the two-stage pipeline's: step ``k`` starts after the data of batches ``0..k``
+    (made one after the other) and the steps from ``k`` on follow it, so the epoch takes at
+    least ``max over k of sum(data[:k + 1]) + sum(step[k:])``. With equal batches that is
+    ``max(data[0] + sum(step), sum(data) + step[-1])``: the first data and every step when the
+    step dominates, all the data and the last step when the data does.
+
+    Examples:
+        >>> round(bound([0.010] * 30, [0.005] * 30), 9)  # data dominates: 30 x 10 ms, a step
+        0.305
+        >>> round(bound([0.005] * 30, [0.010] * 30), 9)  # the step dominates: first data, 30 steps
+        0.305
+        >>> round(bound([0.005] * 30, [0.005] * 30, overlap=False), 9)  # one at a time: the sum
+        0.3
+    """
+    n = max(len(data), len(step))
+    d = list(data) + [0.0] * (n - len(data))
+    c = list(step) + [0.0] * (n - len(step))
+    if not overlap:
+        return sum(d) + sum(c)
+    best = made = 0.0
+    rest = sum(c)
+    for k in range(n):
+        made += d[k]
+        best = max(best, made + rest)
+        rest -= c[k]
+    return best
 
 
 @dataclass
 class Case:
-    """One point of the grid: kind of work, per-batch data and step cost in ms, batches, rounds."""
+    """One point of the grid: kind of work, per-batch data and step cost in ms, batches, rounds.
+
+    ``note`` says what sets the case apart from another with the same costs.
+    """
 
     kind: str
     data_ms: float
     step_ms: float
     batches: int
-    rounds: int = 3
+    rounds: int = MIN_ROUNDS
     arms: tuple[str, ...] = ("plain", "recipe", "prefetchx")
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        """A short name, as the conclusion and the plot give it."""
+        if self.data_ms <= 0 and self.step_ms <= 0:
+            return f"no work, {self.batches} batches"
+        return f"{self.kind} {self.data_ms:g}/{self.step_ms:g} ms"
 
 
 @dataclass
 class ArmResult:
-    """One arm's figures for one case; medians over rounds."""
+    """One arm's figures for one case.
+
+    ``speedup`` is the median over rounds of the plain arm's epoch time over this arm's in the
+    same round (above 1: faster than plain), ``speedup_low``/``speedup_high`` the lowest and
+    highest round. ``bound_s`` is the median bound (`bound`), ``overlap_efficiency`` the median
+    of bound over epoch time (1.0 is a perfect prefetcher) and ``per_batch_us`` the median of
+    the epoch time above the bound per batch; these three are ``None`` for an arm that does not
+    prefetch and for a case with no work. ``data_call_ms`` and ``step_call_ms``: the median
+    time one call of the work took in the plain arm (a sleep overshoots), ``None`` for no work.
+    """
 
     case: Case
     arm: str
     epoch_s: float
     epochs_s: list[float]
-    ideal_s: float
-    overlap_efficiency: float
     speedup: float
-    per_batch_us: float
+    speedup_low: float
+    speedup_high: float
+    speedups: list[float]
+    bound_s: float | None = None
+    overlap_efficiency: float | None = None
+    per_batch_us: float | None = None
+    data_call_ms: float | None = None
+    step_call_ms: float | None = None
+    bounds_s: list[float] = field(default_factory=list)
+
+    @property
+    def spread(self) -> Spread:
+        """The per-round speedups as a `Spread`."""
+        return Spread(self.speedup, self.speedup_low, self.speedup_high, self.speedups)
 
 
 def run_epoch(loader: Iterable[Any], step: Callable[[], None]) -> float:
@@ -142,45 +320,66 @@ def run_epoch(loader: Iterable[Any], step: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
+def _median_call_ms(calls: list[list[float]]) -> float | None:
+    means = [sum(c) / len(c) for c in calls if c]
+    return statistics.median(means) * 1e3 if means else None
+
+
 def measure(
     case: Case, max_prefetch: int = 2, progress: Callable[[str], None] | None = None
 ) -> list[ArmResult]:
-    """Run every arm on ``case`` for ``case.rounds`` interleaved rounds."""
+    """Run every arm of ``case`` in ``case.rounds`` paired rounds (see `prefetchx.bench.paired`)."""
+    if "plain" not in case.arms:
+        raise ValueError(f"`case.arms` must include 'plain', the baseline, got {case.arms}.")
     data, step = Work(case.kind, case.data_ms), Work(case.kind, case.step_ms)
     dataset = WorkDataset(case.batches, data)
-    loaders = {name: ARMS[name](dataset, max_prefetch) for name in case.arms}
-    names = list(loaders)
-    epochs: dict[str, list[float]] = {name: [] for name in names}
-    ideals: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(case.rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            data.spent = step.spent = 0.0
-            epochs[name].append(run_epoch(loaders[name], step))
-            # A perfect prefetcher pays the first batch's data, then the larger of the two.
-            ideals[name].append(data.spent / case.batches + max(data.spent, step.spent))
+    loaders = {name: ARMS[name](dataset, max_prefetch, {"batch_size": None}) for name in case.arms}
+    data_calls: list[list[float]] = []  # the plain arm's, per round
+    step_calls: list[list[float]] = []
+
+    def arm(name: str) -> Callable[[], float]:
+        def run() -> float:
+            data.calls.clear()
+            step.calls.clear()
+            seconds = run_epoch(loaders[name], step)
+            if name == "plain":
+                data_calls.append(data.calls[:])
+                step_calls.append(step.calls[:])
+            return seconds
+
+        return run
+
+    def report(done: int) -> None:
         if progress is not None:
-            progress(
-                f"  {case.kind} data {case.data_ms:g} ms, step {case.step_ms:g} ms: "
-                f"round {r + 1}/{case.rounds}"
-            )
-    plain = statistics.median(epochs["plain"])
+            progress(f"  {case.label}: round {done}/{case.rounds}")
+
+    times = run_rounds({name: arm(name) for name in case.arms}, case.rounds, report)
+    speedups = ratios(times)
+    no_work = case.data_ms <= 0 and case.step_ms <= 0
+    together = overlaps(case.kind)
+    bounds = [bound(d, c, together) for d, c in zip(data_calls, step_calls, strict=True)]
     results = []
-    for name in names:
-        if case.data_ms <= 0 and case.step_ms <= 0:
-            ideals[name] = [plain] * case.rounds  # nothing to overlap: at best, cost nothing
-        pairs = list(zip(ideals[name], epochs[name], strict=True))
-        results.append(
-            ArmResult(
-                case=case,
-                arm=name,
-                epoch_s=statistics.median(epochs[name]),
-                epochs_s=epochs[name],
-                ideal_s=statistics.median(ideals[name]),
-                overlap_efficiency=statistics.median(i / e for i, e in pairs),
-                speedup=plain / statistics.median(epochs[name]),
-                per_batch_us=statistics.median((e - i) / case.batches * 1e6 for i, e in pairs),
-            )
+    for name in case.arms:
+        epochs, spread = times[name], speedups[name]
+        result = ArmResult(
+            case=case,
+            arm=name,
+            epoch_s=statistics.median(epochs),
+            epochs_s=epochs,
+            speedup=spread.median,
+            speedup_low=spread.low,
+            speedup_high=spread.high,
+            speedups=spread.rounds,
+            data_call_ms=_median_call_ms(data_calls),
+            step_call_ms=_median_call_ms(step_calls),
         )
+        if name in PREFETCHING and not no_work:
+            pairs = list(zip(bounds, epochs, strict=True))
+            result.bounds_s = bounds
+            result.bound_s = statistics.median(bounds)
+            result.overlap_efficiency = statistics.median(b / e for b, e in pairs)
+            result.per_batch_us = statistics.median((e - b) / case.batches * 1e6 for b, e in pairs)
+        results.append(result)
     return results
 
 
@@ -216,17 +415,142 @@ def as_rows(results: list[ArmResult]) -> list[dict[str, Any]]:
     return [asdict(r) for r in results]
 
 
-def format_table(results: list[ArmResult]) -> str:
-    """Results as a fixed-width text table."""
-    head = (
-        f"{'kind':>6} {'data ms':>8} {'step ms':>8} {'arm':>10} {'epoch ms':>9} "
-        f"{'ideal ms':>9} {'overlap':>8} {'speedup':>8} {'over/batch us':>14}"
+VS_PLAIN = (
+    "the arm's throughput over the plain DataLoader's, taken within each round (plain's epoch "
+    "time over the arm's, run back to back): the median and, in brackets, the lowest and "
+    "highest round; above 1.00x is faster"
+)
+"""What a ratio over plain in a table is, as its legend says."""
+
+COLUMNS = {
+    "epoch ms": "the arm's median epoch time",
+    "vs plain": VS_PLAIN,
+    "bound ms": "the shortest epoch any prefetcher could make of the round's work: from the data "
+    "and step times the plain arm measured in the same round, with nothing beside them (no waits "
+    "for the GIL or a core), max over k of data[0..k] + step[k..n-1] where the two can overlap "
+    "(sleep; numpy on 2 cores or more), their sum where they cannot (pure Python)",
+    "overlap": "bound ms over epoch ms: 1.000 is a perfect prefetcher",
+    "over/batch us": "(epoch - bound) / batches: what the arm costs per batch above the bound, "
+    "the loader's own work included",
+}
+"""The columns of the synthetic table, as its legend explains them."""
+
+
+def wrap(text: str, indent: str = "  ") -> str:
+    """``text`` in lines of at most 100 characters, the first indented by ``indent`` and the
+    others by two more spaces."""
+    return textwrap.fill(text, 100, initial_indent=indent, subsequent_indent=indent + "  ")
+
+
+def explain(columns: Mapping[str, str], arms: Iterable[str], *notes: str) -> str:
+    """A table's legend: what each of ``columns`` (name: meaning) and of ``arms`` means, with
+    ``notes`` after the columns."""
+    lines = ["Columns:"]
+    lines += [wrap(f"{name}: {text}.") for name, text in columns.items()]
+    lines += [wrap(note) for note in notes]
+    lines.append("Arms (plain is the baseline, 1.00x by definition):")
+    lines += [wrap(f"{arm}: {ARM_NOTES[arm]}.") for arm in dict.fromkeys(arms)]
+    return "\n".join(lines)
+
+
+def legend(arms: Iterable[str]) -> str:
+    """What each column and each of ``arms`` in the synthetic table means."""
+    return explain(
+        COLUMNS,
+        arms,
+        "bound ms, overlap and over/batch us are given for the arms that prefetch only (plain "
+        "and inline make each batch when asked: their best is themselves) and not for loops "
+        "with no work.",
     )
-    lines = [head, "-" * len(head)]
+
+
+def _dash(value: float | None, spec: str, width: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
+
+
+def format_table(results: list[ArmResult]) -> str:
+    """Results as fixed-width text, one block per case, its costs and how it differs above it."""
+    head = (
+        f"  {'arm':<10} {'epoch ms':>9}  {'vs plain':<19} {'bound ms':>9} {'overlap':>8} "
+        f"{'over/batch us':>14}"
+    )
+    lines: list[str] = []
+    case: Case | None = None
     for r in results:
+        if r.case is not case:
+            case = r.case
+            if lines:
+                lines.append("")
+            lines.append(_case_line(r))
+            lines.append(head)
         lines.append(
-            f"{r.case.kind:>6} {r.case.data_ms:>8g} {r.case.step_ms:>8g} {r.arm:>10} "
-            f"{r.epoch_s * 1e3:>9.1f} {r.ideal_s * 1e3:>9.1f} {r.overlap_efficiency:>8.3f} "
-            f"{r.speedup:>8.2f}x {r.per_batch_us:>13.1f}"
+            f"  {r.arm:<10} {r.epoch_s * 1e3:>9.1f}  {r.spread.ratio():<19} "
+            f"{_dash(None if r.bound_s is None else r.bound_s * 1e3, '.1f', 9)} "
+            f"{_dash(r.overlap_efficiency, '.3f', 8)} {_dash(r.per_batch_us, '.1f', 14)}"
         )
     return "\n".join(lines)
+
+
+def _case_line(r: ArmResult) -> str:
+    case = r.case
+    if case.data_ms <= 0 and case.step_ms <= 0:
+        cost = "no work: data 0 and step 0 ms a batch"
+    else:
+        measured = " and ".join(
+            f"{v:.3g}" if v is not None else "0" for v in (r.data_call_ms, r.step_call_ms)
+        )
+        cost = (
+            f"{case.kind}: data {case.data_ms:g} and step {case.step_ms:g} ms a batch "
+            f"(measured {measured} ms)"
+        )
+    note = f"\n  ({case.note})" if case.note else ""
+    return f"{cost}, {case.batches} batches, {case.rounds} rounds{note}"
+
+
+def conclude(
+    loops: Sequence[tuple[str, Spread]], *, arm: str = "DataLoaderX", quick: bool = False
+) -> str:
+    """One sentence that says what the runs mean for this machine.
+
+    Args:
+        loops: Each loop's name and the spread of ``arm``'s speed over plain DataLoader's.
+        arm: How the sentence names the arm.
+        quick: The runs were short: the sentence says not to decide from them.
+    """
+    if not loops:
+        return "Nothing was measured."
+    faster = [name for name, s in loops if s.verdict == "faster"]
+    slower = [name for name, s in loops if s.verdict == "slower"]
+    best_name, best = max(loops, key=lambda loop: loop[1].median)
+    worst_name, worst = min(loops, key=lambda loop: loop[1].median)
+    n = len(loops)
+    where = (
+        "On this machine (a --quick run, too short to decide from)"
+        if quick
+        else ("On this machine")
+    )
+    top = f"{best.median:.2f}x, {best_name}"
+    bottom = f"{worst.median:.2f}x, {worst_name}"
+    if faster and slower:
+        return (
+            f"{where}, {arm} was faster than a plain DataLoader in {len(faster)} of {n} loops "
+            f"(up to {top}) and slower in {len(slower)} (down to {bottom}): use it where your "
+            "data or step work releases the GIL, and time your own loop against "
+            "max_prefetch=0 elsewhere."
+        )
+    if slower:
+        return (
+            f"{where}, {arm} gained nothing over a plain DataLoader and was slower in "
+            f"{len(slower)} of {n} loops (down to {bottom}): keep the plain DataLoader here "
+            "unless your own loop, timed, says otherwise."
+        )
+    if faster:
+        return (
+            f"{where}, {arm} was faster than a plain DataLoader in {len(faster)} of {n} loops "
+            f"(up to {top}) and slower in none (the lowest {bottom}): switching costs "
+            "nothing here."
+        )
+    return (
+        f"{where}, {arm} and a plain DataLoader ran alike in all {n} loops "
+        f"({worst.median:.2f}x to {best.median:.2f}x): switching neither gains nor costs here."
+    )

@@ -1,0 +1,476 @@
+"""The grid: DataLoaderX against a plain DataLoader over per-batch data and step costs.
+
+Each cell is a loop whose dataset spends ``D`` per batch and whose step spends ``C``, of one
+kind of work (`prefetchx.bench.synthetic.Work`: sleeping, numpy, pure Python), with 0 or 2
+persistent DataLoader workers; ``D`` and ``C`` each take 0, 20 us, 200 us, 2 ms and 10 ms. Three
+step shapes follow with 200 us of data: ``bimodal`` (each step 20 us or 2 ms, at random),
+``phases`` (64 steps of 20 us, then 64 of 2 ms, and again: evaluation-like phases) and ``ramp``
+(from 0 to 2 ms over the epoch, as a warm-up).
+
+Five arms run in one process over the same dataset, in paired rounds (`prefetchx.bench.paired`):
+plain DataLoader, DataLoaderX, the BackgroundGenerator recipe, DataLoaderX with
+``max_prefetch=0`` and a run-ahead ``queue.SimpleQueue`` thread over DataLoader, the floor of a
+threaded hand-off. Each arm runs one untimed epoch first (workers started). Every cell reports
+each arm's throughput over plain's; the summary gives the figures issue #16's targets are about.
+
+Usage:
+    python benchmarks/grid.py [--quick] [--rounds N] [--epoch-ms MS] [--out STEM]
+
+``--out benchmarks/results/grid-cpu-2core`` writes ``grid-cpu-2core.txt`` (the table, its
+legend and summary) and ``grid-cpu-2core.json`` (every round's times, the machine, the versions
+and the commit). ``--quick`` is a run of seconds for tests: a few cells, short epochs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+from torch.utils.data import DataLoader
+
+from prefetchx import ThreadStage
+from prefetchx.bench.paired import CLEAR, Spread, ratios, run_rounds
+from prefetchx.bench.record import add_options, meta_line, report
+from prefetchx.bench.synthetic import (
+    ARMS,
+    KINDS,
+    VS_PLAIN,
+    Work,
+    WorkDataset,
+    conclude,
+    explain,
+    machine_meta,
+    release,
+    run_epoch,
+    wrap,
+)
+
+COSTS_MS = (0.0, 0.02, 0.2, 2.0, 10.0)
+WORKERS = (0, 2)
+SHAPES = ("bimodal", "phases", "ramp")
+SHAPE_DATA_MS = 0.2
+SHORT_MS, LONG_MS = 0.02, 2.0
+PHASE = 64
+"""Steps in each phase of the ``phases`` shape."""
+RAMP_LEVELS = 8
+"""The ``ramp`` shape's steps take this many distinct costs (each a calibrated `Work`)."""
+HANDOFF_BATCHES = {False: 20000, True: 2000}
+"""Batches of the hand-off loop, a full run's and a quick one's."""
+ARM_ORDER = ("plain", "prefetchx", "recipe", "inline", "floor")
+OVERHEAD_MS = {0: 0.03, 2: 0.15}
+"""A DataLoader's own cost per batch, roughly, without and with workers: sizes the epochs."""
+
+SHAPE_NOTES = {
+    "constant": "every step costs C",
+    "bimodal": f"each step costs {SHORT_MS * 1e3:g} us or {LONG_MS:g} ms, at random, C the mean",
+    "phases": f"{PHASE} steps of {SHORT_MS * 1e3:g} us, then {PHASE} of {LONG_MS:g} ms, and "
+    "again (evaluation-like phases); C the mean",
+    "ramp": f"steps grow from 0 to {LONG_MS:g} ms over the epoch (a warm-up); C the mean",
+}
+
+COLUMNS = {
+    "kind": "the work in the dataset and in the step: sleep (releases the GIL, as I/O), numpy "
+    "(GIL-releasing array work), python (holds the GIL), none (no work at all)",
+    "wkr": "DataLoader workers, persistent",
+    "D us": "the dataset's work per batch, nominal",
+    "C us": "the step's work per batch, nominal (the mean, for a shape)",
+    "C got": "the step's work per batch as measured in the plain arm (a short sleep overshoots)",
+    "shape": "how the step's cost varies over the epoch: "
+    + "; ".join(f"{name}: {note}" for name, note in SHAPE_NOTES.items()),
+    "batches": "batches per epoch, sized so that the plain arm's epoch takes about --epoch-ms",
+    "ARM": f"(one column per arm) {VS_PLAIN}",
+}
+
+
+@dataclass
+class Cell:
+    """One loop of the grid."""
+
+    kind: str
+    workers: int
+    data_ms: float
+    step_ms: float
+    shape: str = "constant"
+    batches: int = 0
+
+    @property
+    def label(self) -> str:
+        """A short name, as the summary gives it."""
+        costs = f"D {self.data_ms * 1e3:g} us, C {self.step_ms * 1e3:g} us"
+        shape = "" if self.shape == "constant" else f" {self.shape}"
+        return f"{self.kind}{shape}, {costs}, {self.workers} workers"
+
+    def steps_ms(self) -> list[float]:
+        """The step's cost for each batch of an epoch, in ms."""
+        n = self.batches
+        if self.shape == "bimodal":
+            draws = np.random.default_rng(16).random(n)
+            return [SHORT_MS if u < 0.5 else LONG_MS for u in draws]
+        if self.shape == "phases":
+            return [SHORT_MS if i // PHASE % 2 == 0 else LONG_MS for i in range(n)]
+        if self.shape == "ramp":
+            return [round(i * RAMP_LEVELS / n) * LONG_MS / RAMP_LEVELS for i in range(n)]
+        return [self.step_ms] * n
+
+
+class Steps:
+    """A step whose work follows a schedule of costs, one per batch; `restart` each epoch."""
+
+    def __init__(self, kind: str, schedule: list[float]) -> None:
+        works = {ms: Work(kind, ms) for ms in set(schedule)}
+        self.works = list(works.values())
+        self.schedule = [works[ms] for ms in schedule]
+        self.done = 0
+
+    def restart(self) -> None:
+        self.done = 0
+        for work in self.works:
+            work.calls.clear()
+
+    def spent(self) -> float:
+        """Seconds the step's work took since the last `restart`."""
+        return sum(work.spent for work in self.works)
+
+    def __call__(self) -> None:
+        self.schedule[self.done % len(self.schedule)]()
+        self.done += 1
+
+
+def grid(quick: bool, epoch_ms: float) -> list[Cell]:
+    """The cells to run, each with its epoch length."""
+    if quick:  # one cell of each sort the summary reads, and a shape
+        return _sized(
+            [
+                Cell("none", 0, 0.0, 0.0),
+                Cell("sleep", 0, 0.0, 0.2),
+                Cell("sleep", 0, 0.2, 0.2),
+                Cell("python", 0, 0.2, 0.2),
+                Cell("sleep", 0, SHAPE_DATA_MS, LONG_MS / 2, "bimodal"),
+            ],
+            epoch_ms,
+        )
+    cells = []
+    for w in WORKERS:
+        cells.append(Cell("none", w, 0.0, 0.0))
+        for kind in KINDS:
+            cells += [Cell(kind, w, d, c) for d in COSTS_MS for c in COSTS_MS if d or c]
+        for kind in KINDS:
+            cells += [Cell(kind, w, SHAPE_DATA_MS, LONG_MS / 2, shape) for shape in SHAPES]
+    return _sized(cells, epoch_ms)
+
+
+def _sized(cells: list[Cell], epoch_ms: float) -> list[Cell]:
+    """``cells`` with their epoch lengths set from the time a batch should take."""
+    for cell in cells:
+        per_batch = cell.data_ms + cell.step_ms + OVERHEAD_MS[cell.workers]
+        least = 2 * PHASE if cell.shape == "phases" else 20
+        cell.batches = max(least, min(20000, round(epoch_ms / per_batch)))
+        if cell.shape != "constant":  # about LONG_MS / 2 until the epoch's length is known
+            cell.step_ms = round(statistics.fmean(cell.steps_ms()), 4)
+    return cells
+
+
+def measure_cell(
+    cell: Cell, rounds: int, max_prefetch: int, progress: Callable[[str], None]
+) -> dict[str, Any]:
+    """Every arm on ``cell``: one untimed epoch each, then ``rounds`` paired rounds."""
+    kind = "sleep" if cell.kind == "none" else cell.kind
+    data = Work(kind, cell.data_ms)
+    steps = Steps(kind, cell.steps_ms())
+    dataset = WorkDataset(cell.batches, data)
+    common = {
+        "batch_size": None,
+        "num_workers": cell.workers,
+        "persistent_workers": cell.workers > 0,
+    }
+    loaders = {arm: ARMS[arm](dataset, max_prefetch, common) for arm in ARM_ORDER}
+    step_calls: list[float] = []
+    data_calls: list[float] = []
+
+    def epoch(arm: str, loader: Iterable[Any]) -> float:
+        steps.restart()
+        data.calls.clear()
+        seconds = run_epoch(loader, steps)
+        if arm == "plain":
+            step_calls.append(steps.spent() / cell.batches)
+            if data.calls:  # in this process only without workers
+                data_calls.append(sum(data.calls) / len(data.calls))
+        return seconds
+
+    try:
+        for arm, loader in loaders.items():
+            epoch(arm, loader)
+        step_calls.clear()
+        data_calls.clear()
+        times = run_rounds(
+            {arm: functools.partial(epoch, arm, loader) for arm, loader in loaders.items()},
+            rounds,
+            lambda done: progress(f"  {cell.label}: round {done}/{rounds}"),
+        )
+    finally:
+        for loader in loaders.values():
+            release(loader)
+    extra = {
+        arm: statistics.median(
+            (t - p) / cell.batches * 1e6 for t, p in zip(times[arm], times["plain"], strict=True)
+        )
+        for arm in ARM_ORDER
+    }
+    return {
+        **asdict(cell),
+        "label": cell.label,
+        "step_call_ms": statistics.median(step_calls) * 1e3 if any(step_calls) else 0.0,
+        "data_call_ms": statistics.median(data_calls) * 1e3 if data_calls else None,
+        "epochs_s": times,
+        "ratios": {arm: asdict(spread) for arm, spread in ratios(times).items()},
+        "extra_us_per_batch": extra,
+    }
+
+
+class ForcedThread:
+    """The thread stage over a DataLoader with its inline switch off: every batch is handed
+    over by the thread, so a loop with no work times the hand-off alone."""
+
+    def __init__(self, loader: Iterable[Any], max_prefetch: int) -> None:
+        self.loader = loader
+        self.max_prefetch = max_prefetch
+
+    def __iter__(self) -> ThreadStage[Any]:
+        return ThreadStage(iter(self.loader), self.max_prefetch, adaptive=False)
+
+
+def _switches() -> int:
+    """Context switches of this process so far, its ended threads' included."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_nvcsw + usage.ru_nivcsw
+
+
+def measure_handoff(
+    batches: int, rounds: int, max_prefetch: int, progress: Callable[[str], None]
+) -> dict[str, Any]:
+    """What a threaded hand-off costs: a loop with no work at all over plain DataLoader, the
+    thread stage with its switch off, and the floor (a run-ahead SimpleQueue thread), in paired
+    rounds; per arm, the time per batch above plain's and the context switches per batch."""
+    dataset = WorkDataset(batches, Work("sleep", 0.0))
+    loaders: dict[str, Iterable[Any]] = {
+        "plain": DataLoader(dataset, batch_size=None),
+        "thread": ForcedThread(DataLoader(dataset, batch_size=None), max_prefetch),
+        "floor": ARMS["floor"](dataset, max_prefetch, {"batch_size": None}),
+    }
+    switches: dict[str, list[float]] = {arm: [] for arm in loaders}
+
+    def epoch(arm: str) -> float:
+        before = _switches()
+        seconds = run_epoch(loaders[arm], _nothing)
+        switches[arm].append((_switches() - before) / batches)
+        return seconds
+
+    for arm in loaders:
+        epoch(arm)
+        switches[arm].clear()
+    times = run_rounds(
+        {arm: functools.partial(epoch, arm) for arm in loaders},
+        rounds,
+        lambda done: progress(f"  hand-off: round {done}/{rounds}"),
+    )
+    extra = {
+        arm: statistics.median(
+            (t - p) / batches * 1e6 for t, p in zip(times[arm], times["plain"], strict=True)
+        )
+        for arm in loaders
+    }
+    floor = extra["floor"]
+    return {
+        "batches": batches,
+        "epochs_s": times,
+        "extra_us_per_batch": extra,
+        "switches_per_batch": {arm: statistics.median(v) for arm, v in switches.items()},
+        "thread_over_floor": extra["thread"] / floor if floor > 0 else None,
+    }
+
+
+def _nothing() -> None:
+    pass
+
+
+def _spread(cell: dict[str, Any], arm: str) -> Spread:
+    return Spread(**cell["ratios"][arm])
+
+
+def summarize(cells: list[dict[str, Any]], handoff: dict[str, Any]) -> dict[str, Any]:
+    """The figures the targets of issue #16 are about (see `SUMMARY_NOTES`)."""
+    ours = [(c, _spread(c, "prefetchx")) for c in cells]
+    worst, worst_spread = min(ours, key=lambda pair: pair[1].median)
+    no_work = next((c for c in cells if c["kind"] == "none" and c["workers"] == 0), None)
+    # Cells where prefetching pays (the recipe beats plain clearly): DataLoaderX against the
+    # best of plain and the recipe there.
+    winning = [
+        (c, _spread(c, "prefetchx").median / max(1.0, _spread(c, "recipe").median))
+        for c in cells
+        if _spread(c, "recipe").median > 1 + CLEAR
+    ]
+    summary: dict[str, Any] = {
+        "worst": {"cell": worst["label"], **asdict(worst_spread)},
+        "no_work": None,
+        "winning_cells": len(winning),
+        "winning_worst": None,
+        "handoff": None,
+    }
+    if no_work is not None:
+        summary["no_work"] = {"cell": no_work["label"], **no_work["ratios"]["prefetchx"]}
+    if winning:
+        cell, share = min(winning, key=lambda pair: pair[1])
+        summary["winning_worst"] = {
+            "cell": cell["label"],
+            "of_best": share,
+            "below_0.97": sum(1 for _, s in winning if s < 0.97),
+        }
+    summary["handoff"] = {
+        "thread_us": handoff["extra_us_per_batch"]["thread"],
+        "floor_us": handoff["extra_us_per_batch"]["floor"],
+        "thread_over_floor": handoff["thread_over_floor"],
+        "thread_switches": handoff["switches_per_batch"]["thread"],
+        "floor_switches": handoff["switches_per_batch"]["floor"],
+    }
+    return summary
+
+
+SUMMARY_NOTES = (
+    "worst cell: DataLoaderX's lowest median throughput over plain in the grid (target >= 0.97)",
+    "no-work loop: DataLoaderX over plain with no work, no workers (target >= 0.95)",
+    "winning cells: where the recipe beats plain by more than 2%, DataLoaderX's median over "
+    "the best of plain's and the recipe's; the lowest (target >= 0.97)",
+    "hand-off: a loop with no work and no workers, timed apart: the time per batch above plain's "
+    "(paired by round) and the context switches per batch of the thread stage with its inline "
+    "switch off (every batch handed over by the thread) and of the floor; the first over the "
+    "second (target <= 1.5)",
+)
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The summary as text, each line with what it means."""
+    lines = ["Summary:"]
+    worst = summary["worst"]
+    lines.append(wrap(f"worst cell: {worst['median']:.2f}x plain ({worst['cell']})"))
+    if summary["no_work"] is not None:
+        no_work = Spread(**{k: summary["no_work"][k] for k in ("median", "low", "high", "rounds")})
+        lines.append(wrap(f"no-work loop: {no_work.ratio()} plain"))
+    if summary["winning_worst"] is not None:
+        w = summary["winning_worst"]
+        lines.append(
+            wrap(
+                f"winning cells: {summary['winning_cells']}; the lowest, {w['of_best']:.3f} of "
+                f"the best of plain and the recipe ({w['cell']}); {w['below_0.97']} below 0.97"
+            )
+        )
+    else:
+        lines.append(wrap("winning cells: none (the recipe beat plain by more than 2% nowhere)"))
+    h = summary["handoff"]
+    over = (
+        f"{h['thread_over_floor']:.2f}x the floor's"
+        if h["thread_over_floor"] is not None
+        else "the floor's is not above 0"
+    )
+    lines.append(
+        wrap(
+            f"hand-off: the thread stage {h['thread_us']:.1f} us a batch above plain "
+            f"({h['thread_switches']:.2f} switches a batch), the floor {h['floor_us']:.1f} us "
+            f"({h['floor_switches']:.2f}): {over}"
+        )
+    )
+    lines.append("What the summary lines mean:")
+    lines += [wrap(note) for note in SUMMARY_NOTES]
+    return "\n".join(lines)
+
+
+def format_table(cells: list[dict[str, Any]]) -> str:
+    """One line per cell: its costs, then each arm's throughput over plain."""
+    arms = ARM_ORDER[1:]
+    head = (
+        f"{'kind':<6} {'wkr':>3} {'D us':>6} {'C us':>7} {'C got':>7} {'shape':<8} "
+        f"{'batches':>7}  " + " ".join(f"{arm:<18}" for arm in arms)
+    )
+    lines = [head.rstrip()]
+    for c in cells:
+        lines.append(
+            (
+                f"{c['kind']:<6} {c['workers']:>3} {c['data_ms'] * 1e3:>6g} "
+                f"{c['step_ms'] * 1e3:>7.4g} {c['step_call_ms'] * 1e3:>7.0f} {c['shape']:<8} "
+                f"{c['batches']:>7}  " + " ".join(f"{_spread(c, a).ratio():<18}" for a in arms)
+            ).rstrip()
+        )
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of this program."""
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--quick", action="store_true", help="a few cells, short epochs (for tests)")
+    p.add_argument(
+        "--epoch-ms",
+        type=float,
+        default=250.0,
+        metavar="MS",
+        help="the plain arm's epoch length to aim for (default 250; --quick: 20)",
+    )
+    add_options(p, "benchmarks/results/grid-cpu-2core")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    epoch_ms = 20.0 if args.quick else args.epoch_ms
+    meta = {
+        **machine_meta(),
+        "rounds": args.rounds,
+        "epoch_ms": epoch_ms,
+        "max_prefetch": args.max_prefetch,
+        "quick": args.quick,
+    }
+    cells = grid(args.quick, epoch_ms)
+    print(meta_line(meta), flush=True)
+    started = time.perf_counter()
+    log = functools.partial(print, file=sys.stderr, flush=True)
+    results = []
+    for i, cell in enumerate(cells):
+        log(f"cell {i + 1}/{len(cells)}")
+        results.append(measure_cell(cell, args.rounds, args.max_prefetch, log))
+    log("hand-off")
+    handoff = measure_handoff(HANDOFF_BATCHES[args.quick], args.rounds, args.max_prefetch, log)
+    summary = summarize(results, handoff)
+    conclusion = conclude(
+        [(c["label"], _spread(c, "prefetchx")) for c in results], quick=args.quick
+    )
+    report(
+        args.out,
+        meta,
+        [
+            f"Grid: {len(cells)} cells, {args.rounds} paired rounds each, arms interleaved "
+            f"in one process; {time.perf_counter() - started:.0f} s",
+            format_table(results),
+            explain(COLUMNS, ARM_ORDER),
+            format_summary(summary),
+        ],
+        conclusion,
+        COLUMNS,
+        ARM_ORDER,
+        cells=results,
+        handoff=handoff,
+        summary=summary,
+        summary_notes=list(SUMMARY_NOTES),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

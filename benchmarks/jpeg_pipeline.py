@@ -1,0 +1,156 @@
+"""The JPEG pipeline: DataLoaderX against a plain DataLoader on a realistic CPU training loop.
+
+The dataset decodes a JPEG, crops and flips it (PIL); the step trains a small conv net on the
+CPU (`prefetchx.bench.jpeg`). Every arm normalizes in its collate function, with DataLoaderX's
+own normalization, so in the same place. The loop runs at 1 and 2 torch threads and with 0, 1
+and 2 persistent workers; each arm runs one untimed epoch first, then the arms run in paired
+rounds (`prefetchx.bench.paired`): plain DataLoader, DataLoaderX, the BackgroundGenerator
+recipe, DataLoaderX with ``max_prefetch=0`` and a run-ahead ``queue.SimpleQueue`` thread (the
+floor of a threaded hand-off).
+
+Usage:
+    python benchmarks/jpeg_pipeline.py [--quick] [--rounds N] [--images N] [--out STEM]
+
+``--out benchmarks/results/jpeg_pipeline-cpu-2core`` writes ``jpeg_pipeline-cpu-2core.txt``
+(the table, its legend and summary) and ``jpeg_pipeline-cpu-2core.json`` (every round's
+times, the machine, the versions and the commit). ``--quick`` is a run of seconds for tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from dataclasses import asdict
+
+from prefetchx.bench.jpeg import JpegResult, jpeg_files, measure_jpeg
+from prefetchx.bench.record import add_options, meta_line, report
+from prefetchx.bench.synthetic import (
+    VS_PLAIN,
+    conclude,
+    explain,
+    machine_meta,
+    wrap,
+)
+
+THREADS = (1, 2)
+WORKERS = (0, 1, 2)
+ARM_ORDER = ("plain", "prefetchx", "recipe", "inline", "floor")
+
+COLUMNS = {
+    "threads": "torch's intra-op threads for the step",
+    "wkr": "DataLoader workers, persistent",
+    "plain ms": "the plain arm's median epoch time",
+    "ARM": f"(one column per arm) {VS_PLAIN}",
+    "stall meter": "DataLoaderX's verdict on its last epoch (`loader.stats.verdict()`)",
+}
+
+
+def format_table(results: list[JpegResult]) -> str:
+    """One line per configuration, then DataLoaderX's stall meter for each."""
+    arms = ARM_ORDER[1:]
+    head = f"{'threads':>7} {'wkr':>3} {'plain ms':>9}  " + " ".join(f"{a:<18}" for a in arms)
+    lines = [head.rstrip()]
+    for r in results:
+        plain_ms = statistics.median(r.epochs_s["plain"]) * 1e3
+        lines.append(
+            (
+                f"{r.torch_threads:>7} {r.num_workers:>3} {plain_ms:>9.1f}  "
+                + " ".join(f"{r.spread(arm).ratio():<18}" for arm in arms)
+            ).rstrip()
+        )
+    lines.append("")
+    lines.append("stall meter:")
+    lines += [wrap(f"{r.label.removeprefix('JPEG, ')}: {r.verdict}") for r in results]
+    return "\n".join(lines)
+
+
+def legend(images: int, batch_size: int) -> str:
+    """What each column and each arm of the table means."""
+    return explain(
+        COLUMNS,
+        ARM_ORDER,
+        f"Each epoch: {images} JPEGs decoded, cropped and flipped in the dataset, batches of "
+        f"{batch_size}, a conv net step on each; every arm normalizes in its collate_fn "
+        "(DataLoaderX's own normalization), so in the same place.",
+    )
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of this program."""
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="8 images, 1 torch thread, 0 and 1 workers (tests)"
+    )
+    p.add_argument("--images", type=int, default=512, metavar="N", help="per epoch (512)")
+    p.add_argument("--batch-size", type=int, default=16, metavar="N", help="default 16")
+    add_options(p, "benchmarks/results/jpeg_pipeline-cpu-2core")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    images, batch_size = (8, 4) if args.quick else (args.images, args.batch_size)
+    threads, workers = ((1,), (0, 1)) if args.quick else (THREADS, WORKERS)
+    meta = {
+        **machine_meta(),
+        "rounds": args.rounds,
+        "images": images,
+        "batch_size": batch_size,
+        "max_prefetch": args.max_prefetch,
+        "quick": args.quick,
+    }
+    print(meta_line(meta), flush=True)
+    log = functools.partial(print, file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    results = []
+    with jpeg_files(images) as paths:
+        for t in threads:
+            for w in workers:
+                results.append(
+                    measure_jpeg(
+                        w,
+                        torch_threads=t,
+                        images=images,
+                        batch_size=batch_size,
+                        rounds=args.rounds,
+                        arms=ARM_ORDER,
+                        max_prefetch=args.max_prefetch,
+                        paths=paths,
+                        progress=log,
+                    )
+                )
+    worst = min(results, key=lambda r: r.spread("prefetchx").median)
+    summary = {
+        "worst": {"configuration": worst.label, **asdict(worst.spread("prefetchx"))},
+    }
+    conclusion = conclude([(r.label, r.spread("prefetchx")) for r in results], quick=args.quick)
+    worst_line = (
+        f"worst configuration: DataLoaderX at {worst.spread('prefetchx').ratio()} of plain "
+        f"({worst.label}; target >= 0.97)"
+    )
+    report(
+        args.out,
+        meta,
+        [
+            f"JPEG pipeline: {len(results)} configurations, {args.rounds} paired rounds each, "
+            f"arms interleaved in one process; {time.perf_counter() - started:.0f} s",
+            format_table(results),
+            legend(images, batch_size),
+            f"Summary:\n{wrap(worst_line)}",
+        ],
+        conclusion,
+        COLUMNS,
+        ARM_ORDER,
+        results=[asdict(r) for r in results],
+        summary=summary,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""The benchmark programs of issue #16, ``benchmarks/grid.py`` and ``benchmarks/jpeg_pipeline.py``:
+their quick runs write a table and a JSON record of the expected shape; the full grid's cells."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ARMS = {"plain", "prefetchx", "recipe", "inline", "floor"}
+
+
+def _program(name: str) -> ModuleType:
+    qualified = f"benchmarks_{name}"
+    spec = importlib.util.spec_from_file_location(qualified, ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[qualified] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(program: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, f"benchmarks/{program}.py", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _recorded(stem: Path, done: subprocess.CompletedProcess[str]) -> tuple[str, dict[str, Any]]:
+    """The table and the record a run wrote, checked for what every recorded run must say."""
+    assert done.returncode == 0, done.stderr
+    text = Path(f"{stem}.txt").read_text()
+    record = json.loads(Path(f"{stem}.json").read_text())
+    meta = record["meta"]
+    for key in ("prefetchx", "commit", "torch", "python", "machine", "cpus"):
+        assert meta[key], key
+    first = text.splitlines()[0]  # the machine, the versions and the commit
+    assert meta["commit"] in first
+    assert meta["torch"] in first
+    assert meta["machine"] in first
+    assert meta["quick"] is True
+    # The table ends with the run's conclusion, as does what it printed.
+    assert " ".join(text.strip().split("\n\n")[-1].split()) == record["conclusion"]
+    assert " ".join(done.stdout.strip().split("\n\n")[-1].split()) == record["conclusion"]
+    assert record["conclusion"].startswith("On this machine (a --quick run")
+    # Every column and every arm is explained in the table.
+    for name in record["columns"]:
+        assert f"  {name}: " in text, name
+    assert set(record["arms"]) == ARMS
+    for arm in ARMS:
+        assert f"  {arm}: " in text, arm
+    return text, record
+
+
+def _paired(ratios: dict[str, Any]) -> None:
+    assert set(ratios) == ARMS
+    for arm, spread in ratios.items():
+        assert len(spread["rounds"]) == 5, arm  # paired rounds, at least 5
+        assert spread["low"] <= spread["median"] <= spread["high"]
+    assert ratios["plain"]["rounds"] == [1.0] * 5
+
+
+def test_the_quick_grid_writes_its_table_and_record(tmp_path: Path) -> None:
+    text, record = _recorded(
+        tmp_path / "grid", _run("grid", "--quick", "--out", str(tmp_path / "grid"))
+    )
+    cells = record["cells"]
+    assert {c["kind"] for c in cells} == {"none", "sleep", "python"}
+    assert {c["shape"] for c in cells} == {"constant", "bimodal"}
+    for cell in cells:
+        _paired(cell["ratios"])
+        assert set(cell["epochs_s"]) == ARMS
+        assert cell["batches"] >= 20
+        assert cell["label"] in text or cell["kind"] in text
+    summary = record["summary"]
+    assert summary["worst"]["cell"] in {c["label"] for c in cells}
+    assert summary["no_work"]["cell"] == "none, D 0 us, C 0 us, 0 workers"
+    handoff = record["handoff"]
+    assert set(handoff["extra_us_per_batch"]) == {"plain", "thread", "floor"}
+    assert handoff["switches_per_batch"]["thread"] >= 0
+    for line in ("worst cell: ", "no-work loop: ", "winning cells: ", "hand-off: the thread stage"):
+        assert f"\n  {line}" in text, line
+
+
+def test_the_quick_jpeg_pipeline_writes_its_table_and_record(tmp_path: Path) -> None:
+    pytest.importorskip("PIL")
+    stem = tmp_path / "jpeg"
+    text, record = _recorded(stem, _run("jpeg_pipeline", "--quick", "--out", str(stem)))
+    results = record["results"]
+    assert [(r["torch_threads"], r["num_workers"]) for r in results] == [(1, 0), (1, 1)]
+    for r in results:
+        _paired(r["ratios"])
+        assert r["verdict"]
+        assert r["verdict"] in " ".join(text.split()) or r["verdict"][:40] in text
+    assert record["summary"]["worst"]["configuration"].startswith("JPEG, 1 torch thread")
+    assert "every arm normalizes in its collate_fn" in " ".join(text.split())
+
+
+@pytest.mark.parametrize("program", ["grid", "jpeg_pipeline"])
+@pytest.mark.parametrize(
+    ("args", "shown"),
+    [
+        (["--rounds", "3"], "argument --rounds: must be >= 5, got 3"),
+        (["--rounds", "x"], "argument --rounds: must be an integer >= 5, got 'x'"),
+        (["--max-prefetch", "0"], "argument --max-prefetch: must be >= 1, got 0"),
+        (["--out", "{tmp}/missing/grid"], "argument --out: the directory of '{tmp}/missing/grid'"),
+        (["--out", "{tmp}"], "argument --out: '{tmp}' is a directory"),
+    ],
+)
+def test_a_bad_option_is_a_usage_error_before_anything_runs(
+    program: str, args: list[str], shown: str, tmp_path: Path
+) -> None:
+    done = _run(program, *(a.replace("{tmp}", str(tmp_path)) for a in args))
+    assert done.returncode == 2
+    assert shown.replace("{tmp}", str(tmp_path)) in done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stdout == ""
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_full_grid_covers_every_cost_kind_worker_count_and_shape() -> None:
+    grid = _program("grid")
+    cells = grid.grid(quick=False, epoch_ms=250.0)
+    constant = [c for c in cells if c.shape == "constant" and c.kind != "none"]
+    assert len(constant) == 3 * 2 * (5 * 5 - 1)  # kinds x workers x (D, C) but (0, 0)
+    assert {(c.kind, c.workers) for c in cells if c.kind == "none"} == {("none", 0), ("none", 2)}
+    assert {c.data_ms for c in constant} == {0.0, 0.02, 0.2, 2.0, 10.0}
+    assert {c.step_ms for c in constant} == {0.0, 0.02, 0.2, 2.0, 10.0}
+    shaped = [c for c in cells if c.shape != "constant"]
+    assert {(c.kind, c.workers, c.shape) for c in shaped} == {
+        (k, w, s) for k in ("sleep", "numpy", "python") for w in (0, 2) for s in grid.SHAPES
+    }
+    for cell in cells:
+        assert 20 <= cell.batches <= 20000
+        assert len(cell.steps_ms()) == cell.batches
+    bimodal = next(c for c in shaped if c.shape == "bimodal").steps_ms()
+    assert set(bimodal) == {0.02, 2.0}
+    phases = next(c for c in shaped if c.shape == "phases").steps_ms()
+    assert phases[:64] == [0.02] * 64
+    assert phases[64:128] == [2.0] * 64
+    ramp = next(c for c in shaped if c.shape == "ramp").steps_ms()
+    assert ramp == sorted(ramp)
+    assert (ramp[0], ramp[-1]) == (0.0, 2.0)
+    # Epochs are sized by cost: a no-work loop gets many batches, a 10 + 10 ms one few.
+    by_cost = {(c.kind, c.workers, c.data_ms, c.step_ms): c.batches for c in constant}
+    assert by_cost[("sleep", 0, 0.0, 0.02)] > by_cost[("sleep", 0, 10.0, 10.0)] == 20
