@@ -139,9 +139,36 @@ def _jpeg(args: argparse.Namespace) -> list[JpegResult]:
 
 
 def _cuda() -> dict[str, Any]:
-    from prefetchx.bench.cuda import report
+    """Run every GPU measurement, print a table for each, and return them all."""
+    from prefetchx.bench.cuda import measure_blocking, measure_copy, measure_meter, measure_step
 
-    return report()
+    print(f"\n== CUDA: {torch.cuda.get_device_name()} ==")
+    print("copy bandwidth, timed from the first batch (target >= 0.90 of raw from 16 MB up)")
+    print(f"{'MB':>6} {'raw GB/s':>9} {'prefetchx GB/s':>15} {'ratio':>6}")
+    copies = []
+    for mb in (4, 16, 64, 256):
+        c = measure_copy(mb)
+        print(f"{mb:>6} {c.raw_gbps:>9.1f} {c.prefetchx_gbps:>15.1f} {c.ratio:>6.2f}", flush=True)
+        copies.append(asdict(c))
+    b = measure_blocking()
+    print(
+        f"\nnext() behind {b.busy_ms:.0f} ms of queued GPU work, {b.megabytes} MB batch: "
+        f"pinned {b.pinned_next_ms:.1f} ms, pageable {b.pageable_next_ms:.1f} ms",
+        flush=True,
+    )
+    print(f"\n{'arm':>12} {'epoch ms':>9} {'vs data-on-gpu':>15}  (same workers for every arm)")
+    steps = []
+    for s in measure_step():
+        print(f"{s.arm:>12} {s.epoch_s * 1e3:>9.1f} {s.vs_bound:>14.3f}x", flush=True)
+        steps.append(asdict(s))
+    m = measure_meter()
+    print(
+        f"\nGPU stall meter: {m.cost_us:.1f} us per batch; with {m.delay_ms:.0f} ms of producer "
+        f"delay per batch the epoch grew {m.epoch_growth_ms:.2f} ms per batch and the meter's "
+        f"idle time {m.idle_growth_ms:.2f} ms",
+        flush=True,
+    )
+    return {"copy": copies, "blocking": asdict(b), "step": steps, "meter": asdict(m)}
 
 
 def conclusion(synthetic: list[ArmResult], jpeg: list[JpegResult], quick: bool = False) -> str:
