@@ -1,11 +1,13 @@
 """The stop protocol that every prefetchx stage shares.
 
-One bounded queue between a producer thread and the consumer, one stop event, timed puts and gets
-that re-check it, and failures carried as values. The timeouts of the whole package live here.
+One bounded channel between a producer thread and the consumer, one stop event, timed puts and
+gets that re-check it, and failures carried as values. The timeouts of the whole package live
+here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import logging
@@ -72,69 +74,126 @@ class Failure:
             del exc
 
 
-def put_until_stopped(q: queue.Queue[Any], item: object, stop: threading.Event) -> bool:
-    """Put ``item`` on ``q``, waiting for room, until ``stop`` is set.
+class Channel:
+    """The bounded hand-off from one producer thread to one consumer.
 
-    Returns:
-        ``True`` when the item was put, ``False`` when ``stop`` was set first.
+    Items travel through a `queue.SimpleQueue` (one C-level lock per put and get, where
+    `queue.Queue` takes a Python-level condition twice); at most ``capacity`` wait at a time. A
+    producer that finds the channel full sleeps until the consumer has taken it down to a
+    low-water mark (half of what it holds, rounded down), so it wakes once for several items
+    rather than once per item, and makes them back to back. Every wait is timed and re-checks
+    the stop event, so a stop, a Ctrl-C or a producer that died is noticed within
+    `POLL_INTERVAL`.
+
+    The producer alone writes ``_put`` and the consumer alone ``_taken``; each reads the other's
+    count, which may be behind but never ahead, and re-checks after saying it waits, so no
+    wake-up is lost. A wake-up that arrives after its waiter went on is harmless: the next wait
+    returns at once and checks again.
     """
-    try:
-        q.put_nowait(item)  # the common case, without a timed wait
+
+    __slots__ = ("_items", "_low", "_put", "_room", "_taken", "_waiting", "capacity")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._low = (self.capacity - 1) // 2
+        self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._room: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._put = 0
+        self._taken = 0
+        self._waiting = False
+
+    def qsize(self) -> int:
+        """Items waiting now (from the consumer's side, exact; from the producer's, at most)."""
+        return max(0, self._put - self._taken)
+
+    def empty(self) -> bool:
+        """Whether nothing waits, so that a get would block."""
+        return self._items.empty()
+
+    def full(self) -> bool:
+        """Whether the producer would have to wait to put."""
+        return self._put - self._taken >= self.capacity
+
+    def put(self, item: object, stop: threading.Event) -> bool:
+        """Put ``item``, waiting for room, until ``stop`` is set.
+
+        Returns:
+            ``True`` when the item was put, ``False`` when ``stop`` was set first.
+        """
+        if self._put - self._taken >= self.capacity and not self._wait_for_room(stop):
+            return False
+        self._put += 1  # counted before it can be taken, so the count is never behind
+        self._items.put(item)
         return True
-    except queue.Full:
-        pass
-    while not stop.is_set():
+
+    def _wait_for_room(self, stop: threading.Event) -> bool:
+        room, low = self._room, self._low
+        while not stop.is_set():
+            self._waiting = True
+            if self._put - self._taken <= low:  # taken down meanwhile: go on
+                self._waiting = False
+                return True
+            with contextlib.suppress(queue.Empty):  # a timeout: check the stop, then again
+                room.get(timeout=POLL_INTERVAL)
+        self._waiting = False
+        return False
+
+    def get(self, producer: threading.Thread, stop: threading.Event) -> object:
+        """Take the next value, waiting as long as ``producer`` can still put one.
+
+        The wait is timed, so Ctrl-C reaches the caller promptly and a producer that died
+        without a last word is noticed instead of waited for forever.
+
+        Returns:
+            The next item, a `Signal` or a `Failure`.
+        """
+        items = self._items
         try:
-            q.put(item, timeout=POLL_INTERVAL)
-        except queue.Full:
-            continue
-        return True
-    return False
-
-
-def get_from(q: queue.Queue[Any], producer: threading.Thread, stop: threading.Event) -> object:
-    """Take the next value from ``q``, waiting as long as ``producer`` can still put one.
-
-    The wait is timed, so Ctrl-C reaches the caller promptly and a producer that died without a
-    last word is noticed instead of waited for forever.
-
-    Returns:
-        The next item, a `Signal` or a `Failure`.
-    """
-    try:
-        return q.get_nowait()  # the common case, without a timed wait
-    except queue.Empty:
-        pass
-    while True:
-        try:
-            return q.get(timeout=POLL_INTERVAL)
+            value = items.get_nowait()  # the common case, without a timed wait
         except queue.Empty:
-            if producer.is_alive():
-                continue
-        # The producer has ended: whatever it put before ending is in the queue now.
-        try:
-            return q.get_nowait()
-        except queue.Empty:
-            if stop.is_set():
-                return Signal.STOPPED
-            return Failure(
-                RuntimeError(
-                    f"prefetchx producer thread {producer.name!r} ended "
-                    "without delivering a batch, the end of the epoch or "
-                    "an error"
+            value = self._wait_for_item(producer, stop)
+        self._taken += 1
+        if self._waiting and self._put - self._taken <= self._low:
+            self._waiting = False
+            self._room.put(None)  # the producer sleeps on a full channel: room enough now
+        return value
+
+    def _wait_for_item(self, producer: threading.Thread, stop: threading.Event) -> object:
+        items = self._items
+        while True:
+            try:
+                return items.get(timeout=POLL_INTERVAL)
+            except queue.Empty:
+                if producer.is_alive():
+                    continue
+            # The producer has ended: whatever it put before ending is in the channel now.
+            try:
+                return items.get_nowait()
+            except queue.Empty:
+                self._taken -= 1  # nothing taken: `get` counts one
+                if stop.is_set():
+                    return Signal.STOPPED
+                return Failure(
+                    RuntimeError(
+                        f"prefetchx producer thread {producer.name!r} ended "
+                        "without delivering a batch, the end of the epoch or "
+                        "an error"
+                    )
                 )
-            )
 
+    def wake_producer(self) -> None:
+        """Wake a producer waiting for room, so that it sees a stop at once."""
+        self._room.put(None)
 
-def drain(q: queue.Queue[Any]) -> None:
-    """Drop everything waiting in ``q`` so its batches are freed now."""
-    while True:
-        try:
-            value = q.get_nowait()
-        except queue.Empty:
-            return
-        if isinstance(getattr(value, "item", value), Failure):
-            discard(getattr(value, "item", value).exc)
+    def drain(self) -> None:
+        """Drop everything waiting, so its batches are freed now (after a stop)."""
+        while True:
+            try:
+                value = self._items.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(getattr(value, "item", value), Failure):
+                discard(getattr(value, "item", value).exc)
 
 
 def discard(exc: BaseException) -> None:

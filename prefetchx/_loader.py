@@ -43,9 +43,10 @@ class DataLoaderX(DataLoader[T_co]):
     in a background thread named ``prefetchx-thread``, so the next batch is produced while the
     caller trains on this one.
 
-    A thread only helps a loop that does work between batches: while the loop's median step
-    is under 50 us, batches are made in the caller's thread, in order, and the thread waits
-    (see `ThreadStage`). ``loader.stats`` is the stall meter of the epoch started last.
+    A thread helps only where it hides more than it costs, so the iterator measures the loop's
+    time per batch with the thread and without it and keeps the faster: without it, batches
+    are made in the caller's thread, in order, as `DataLoader` makes them (see `ThreadStage`).
+    ``loader.stats`` is the stall meter of the epoch started last.
 
     With an accelerator (``device``, or the current accelerator when ``device`` is ``None``), a
     second stage copies the next ``device_prefetch`` batches to it on a side stream while the

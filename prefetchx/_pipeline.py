@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from prefetchx._adapt import Memory
 from prefetchx._batch import map_input, map_tensors
 from prefetchx._checks import check_bool, check_input_key, check_int
 from prefetchx._device import Copies, CudaStreams, check_device, with_index
@@ -54,6 +55,8 @@ class Pipeline:
         """Pin host leaves in the thread stage before their copy to a CUDA device (see
         `_pin`); a loader given ``pin_memory=False`` turns it off."""
         self._streams: CudaStreams | None = None
+        self.memory = Memory()
+        """Which of the thread and the caller made batches faster, as the epochs found."""
 
     @property
     def target(self) -> torch.device:
@@ -73,7 +76,9 @@ class Pipeline:
         if self.target.type == "cpu":
             if self.normalize.active:  # in the thread, so it overlaps the caller's step
                 source = map(self._normalize_input, source)
-            return ThreadStage(source, self.max_prefetch, stats=stats, reapable=reapable)
+            return ThreadStage(
+                source, self.max_prefetch, stats=stats, reapable=reapable, _memory=self.memory
+            )
         streams = self._side_streams()
         if streams is not None and self.pin_host:
             source = map(self._pin, source)  # in the thread: off the caller's
@@ -136,5 +141,5 @@ class Pipeline:
 
     def __getstate__(self) -> dict[str, Any]:
         # A copied or pickled loader (in another process, say) takes its own current device and
-        # makes its own side stream when it first needs them.
-        return {**self.__dict__, "_target": None, "_streams": None}
+        # makes its own side stream when it first needs them, and measures its own pace.
+        return {**self.__dict__, "_target": None, "_streams": None, "memory": Memory()}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import queue
 import threading
 import time
 import weakref
@@ -17,38 +16,16 @@ import torch
 from prefetch_generator import BackgroundGenerator
 
 from prefetchx import _engine
+from prefetchx._adapt import SETTLE, WINDOW, Chooser, Memory
 from prefetchx._checks import check_int
 from prefetchx._device import set_thread_device
-from prefetchx._engine import (
-    POLL_INTERVAL,
-    REAPER,
-    Failure,
-    Reaped,
-    Signal,
-    discard,
-    drain,
-    get_from,
-    put_until_stopped,
-)
+from prefetchx._engine import POLL_INTERVAL, REAPER, Channel, Failure, Reaped, Signal, discard
 from prefetchx._stats import FOLD_EVERY, EpochStats, Tally
 from prefetchx._warnings import Warned, capture_in_this_thread, show
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-ADAPT_WINDOW = 16
-"""Outcomes between two decisions of the inline switch, and the sample each decision uses."""
-
-FIRST_WINDOW = 4
-"""The first decision of an epoch comes sooner: every threaded batch of a loop with no step
-work costs a hand-off (about 150 us on 2 cores), and the hysteresis corrects a wrong start."""
-
-INLINE_BELOW_S = 50e-6
-"""A median step shorter than this leaves nothing for a thread to overlap: produce inline."""
-
-THREAD_ABOVE_S = 200e-6
-"""A median step longer than this, while inline, is worth a thread again."""
 
 _SPECIAL = (Signal, Failure, Warned)
 """Queue values that are not plain items."""
@@ -96,16 +73,17 @@ def settle(timeout: float) -> bool:
 class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generator is untyped
     """The background thread: `BackgroundGenerator` with its defects fixed.
 
-    `BackgroundGenerator` gives the thread, the bounded ``queue`` and the ``generator`` attribute.
-    This subclass replaces its ``run``: each call of the source ends as one value on the queue,
-    an item or a `Failure` (any `BaseException`), in order, and the thread goes on after a
+    `BackgroundGenerator` gives the thread and the ``generator`` attribute. This subclass hands
+    over through a `Channel` rather than its ``queue.Queue``, and replaces its ``run``: each
+    call of the source ends as one value on the channel, an item or a `Failure` (any
+    `BaseException`), in order, and the thread goes on after a
     failure as the source's caller would; puts are timed and re-check a stop event; the warnings
     a call raises travel with its value; the source is released as soon as the thread ends; and
     the thread can park so that the consumer pulls from the source itself. It never references
     the consumer's handle, so a dropped handle can be collected while the thread still runs.
     """
 
-    queue: queue.Queue[Any]
+    queue: Channel
     generator: Iterator[Any] | None
 
     def __init__(
@@ -131,13 +109,16 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
         self._device = device
         self._stats = stats
         self._thread_name = name
-        # BackgroundGenerator.__init__ makes Queue(max_prefetch), sets daemon, starts the thread.
+        self._capacity = max_prefetch
+        # BackgroundGenerator.__init__ sets the source, daemon, and starts the thread.
         super().__init__(source, max_prefetch=max_prefetch)
 
     def start(self) -> None:
-        # BackgroundGenerator.__init__ calls start() itself; name the thread before it runs.
+        # BackgroundGenerator.__init__ calls start() itself: name the thread and give it its
+        # channel (in place of the queue.Queue made there) before it runs.
         global _exit_handler_registered
         self.name = self._thread_name
+        self.queue = Channel(self._capacity)
         if not _exit_handler_registered:
             _exit_handler_registered = True
             atexit.register(_at_exit)
@@ -189,12 +170,12 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
                 if held:
                     value = Warned(value, held[:])
                     held.clear()
-                if not put_until_stopped(q, value, stop) or value is Signal.END:
+                if not q.put(value, stop) or value is Signal.END:
                     return
                 del value
         except BaseException as exc:  # in this loop itself, not in the source: the stage ends
-            if put_until_stopped(q, Failure(exc), stop):
-                put_until_stopped(q, Signal.END, stop)
+            if q.put(Failure(exc), stop):
+                q.put(Signal.END, stop)
         finally:
             # Released here, so DataLoader workers shut down as soon as the producer is done,
             # even while a consumer still holds an exception whose traceback shows this frame.
@@ -203,7 +184,7 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
             if stop.is_set():
                 # A put that raced with the stop would keep its batch, or an exception whose
                 # traceback holds the source, for as long as this thread object lives.
-                drain(self.queue)
+                self.queue.drain()
 
     def _let_go(self) -> None:
         """Release the source here and now, unless the thread is inside a call of it.
@@ -223,7 +204,7 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
 
     def _park(self) -> bool:
         """Hand the source to the consumer and wait until it is handed back or stop is set."""
-        if not put_until_stopped(self.queue, Signal.PAUSED, self.stop_event):
+        if not self.queue.put(Signal.PAUSED, self.stop_event):
             return False
         while not self.resume_event.wait(POLL_INTERVAL):
             if self.stop_event.is_set():
@@ -246,7 +227,8 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
         """
         self.stop_event.set()
         self.resume_event.set()  # wake a parked thread so it sees the stop
-        drain(self.queue)
+        self.queue.wake_producer()  # and one waiting for room
+        self.queue.drain()
         self._let_go()
         if self.is_alive():
             _stopping.add(self)
@@ -262,7 +244,7 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
         if self is threading.current_thread() or not self.is_alive():
             return True
         self.join(_engine.JOIN_TIMEOUT)
-        drain(self.queue)  # a put that raced with the stop event
+        self.queue.drain()  # a put that raced with the stop event
         if self.is_alive() and self.reapable and self.in_source:
             REAPER.watch(self, delay=0.0)  # close() has waited long enough
         if self.is_alive():
@@ -287,7 +269,7 @@ class ThreadStage(Iterator[T], Generic[T]):
 
     Nothing happens before the first ``next()``: it makes the first item in the caller's thread
     (so whatever the source does first, such as a sampler's random draw, happens where and when
-    it would without the stage), then starts the thread for the rest. The thread is a
+    it would without the stage), then the thread may take over (see below). The thread is a
     `prefetch_generator.BackgroundGenerator` whose defects are fixed: it stops when asked, and
     hands on every exception. Warnings the source raises in the thread are shown in the
     caller's thread with the item they came with.
@@ -300,11 +282,17 @@ class ThreadStage(Iterator[T], Generic[T]):
     Ctrl-C while waiting for an item is raised at once and loses nothing: the item comes with the
     next ``next()``.
 
-    A thread only helps when the consumer does work between items: with a step shorter than
-    50 us (the median of its last 16 steps) the hand-off would cost more than it hides, so the
-    thread parks and the consumer pulls items itself, in order, until its steps grow longer
-    than 200 us; then the thread takes over again. Only one of the two ever calls the source at
-    a time.
+    A thread helps only where what it hides is worth more than what it costs (a hand-off per
+    item, and the GIL and the cores it shares with the consumer), and that depends on the
+    source, the consumer, the machine and the moment. So by default the stage measures the
+    consumer's wall time per item, ``next()`` and the work between two calls together, over
+    windows of 16 items, with the thread and without it (the consumer then pulls items itself,
+    in order, while the thread waits parked), and keeps the faster. It looks again when the
+    consumer's pace changes by more than 25%, and less and less often while the answer holds,
+    at most every 256 windows. It starts without the thread: the first 4 items after the first
+    time the step and the source alone, and the thread is tried only if both take at least
+    10 us, as less is not worth a hand-off. A loader's next epoch starts with the answer of the
+    last. Only one of the two ever calls the source at a time.
 
     Args:
         source: The iterator to run ahead. Create it on the calling thread.
@@ -312,8 +300,8 @@ class ThreadStage(Iterator[T], Generic[T]):
             in the caller's thread.
         name: The thread's name.
         device: The accelerator the thread makes current before it starts, or ``None``.
-        adaptive: Let the consumer pull items itself while its steps are too short for a
-            thread to help.
+        adaptive: Let the consumer pull items itself while that is faster; ``False`` runs the
+            thread from the second item on.
         stats: Where to record the stall meter; a new `EpochStats` by default.
         reapable: Whether a call of ``source`` that is still running when the stage is left
             may be interrupted, so that the thread ends and releases the source (a DataLoader
@@ -336,6 +324,7 @@ class ThreadStage(Iterator[T], Generic[T]):
         adaptive: bool = True,
         stats: EpochStats | None = None,
         reapable: bool = False,
+        _memory: Memory | None = None,
     ) -> None:
         self.max_prefetch = check_int("max_prefetch", max_prefetch, minimum=0)
         self._reapable = reapable
@@ -347,10 +336,17 @@ class ThreadStage(Iterator[T], Generic[T]):
         self._device = device
         self._producer: _Producer | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
-        self._inline = True  # until the first item is made
-        self._to_start = max_prefetch > 0
-        self._adaptive = adaptive and max_prefetch > 0
-        self._countdown = FIRST_WINDOW if self._adaptive else ADAPT_WINDOW
+        self._inline = True  # until the thread takes over
+        self._to_start = max_prefetch > 0  # the first item is still to come
+        self._chooser = (
+            Chooser(_memory if _memory is not None else Memory())
+            if adaptive and max_prefetch > 0
+            else None
+        )
+        self._pausing = False  # the thread was asked to park and has not said it has
+        self._countdown = WINDOW + 1  # outcomes to the next checkpoint; the first changes it
+        self._window = WINDOW  # outcomes in the current window
+        self._window_start = 0.0
         self._returned_at: float | None = None
         self._add_step = self.stats.step.add
         self._add_wait = self.stats.wait.add
@@ -382,7 +378,7 @@ class ThreadStage(Iterator[T], Generic[T]):
             except BaseException as exc:
                 value = Failure(exc)
             if self._to_start:
-                self._start()
+                self._begin()
         else:
             value = self._from_queue()
         self._returned_at = returned_at = perf_counter()
@@ -432,11 +428,25 @@ class ThreadStage(Iterator[T], Generic[T]):
         except BaseException as exc:
             value = Failure(exc)
         if self._to_start:
-            self._start()
+            self._begin()
         return value
 
+    def _begin(self) -> None:
+        """After the epoch's first item: the thread takes over now, or a first window runs
+        without it."""
+        self._to_start = False
+        chooser = self._chooser
+        if chooser is None:
+            self._start()
+            return
+        threaded, length = chooser.start()
+        self._window, self._countdown = length, length + 1  # this item is counted after this
+        self._window_start = perf_counter()
+        if threaded:
+            self._start()
+
     def _start(self) -> None:
-        """Start the thread; it takes over the source after the item the caller just made."""
+        """Start the thread; it takes over the source after the items the caller has made."""
         self._to_start = False
         assert self._source is not None  # started only while the epoch runs
         producer = _Producer(
@@ -456,19 +466,20 @@ class ThreadStage(Iterator[T], Generic[T]):
         waiting = producer.queue.qsize()
         # An interrupt here (Ctrl-C, DataLoader's dead-worker signal) propagates; the thread
         # keeps the value it was making, so the next call gets it.
-        value = get_from(producer.queue, producer, producer.stop_event)
+        value = producer.queue.get(producer, producer.stop_event)
         if value.__class__ in _SPECIAL:
             if value.__class__ is Warned:
                 show(value.warnings)
                 value = value.item
             if value is Signal.PAUSED:
+                self._pausing = False
                 self._inline = True  # the thread parked: the caller makes the next one itself
                 return self._make_here()
             if value.__class__ is Signal:  # END, or STOPPED after a close
                 self._end(value is Signal.END)
                 raise StopIteration
         if value.__class__ is Failure and not producer.is_alive() and producer.queue.empty():
-            self.close()  # the thread died without a last word (see get_from): nothing follows
+            self.close()  # the thread died without a last word (see Channel.get): nothing follows
         self._add_occupancy(waiting)
         return value
 
@@ -479,29 +490,41 @@ class ThreadStage(Iterator[T], Generic[T]):
         self.close()
 
     def _checkpoint(self) -> None:
-        """Decide who produces the next batches; fold the meter's samples when they pile up."""
-        self._countdown = ADAPT_WINDOW
-        if self._adaptive and self._source is not None:
-            self._decide()
+        """A window's end: who makes the next items (see `Chooser`); the meter folds its
+        samples when they pile up."""
+        chooser = self._chooser
+        if chooser is None or self._source is None:
+            self._countdown = WINDOW
+        else:
+            now = perf_counter()
+            if self._pausing:  # the thread has not parked yet: the switch is still going on
+                length = SETTLE
+            else:
+                period = (now - self._window_start) / self._window
+                threaded, length = chooser.window(period, self._means)
+                if threaded == self._inline:
+                    self._switch(threaded)
+            self._window = self._countdown = length
+            self._window_start = perf_counter()
         if len(self.stats.wait.pending) >= FOLD_EVERY:
             self.stats.fold()
 
-    def _decide(self) -> None:
-        """Who produces the next batches: the majority of the last steps decides.
+    def _means(self) -> tuple[float, float]:
+        """The current window's mean step and mean wait."""
+        steps = self.stats.step.last(self._window)
+        waits = self.stats.wait.last(self._window)
+        return sum(steps) / max(1, len(steps)), sum(waits) / max(1, len(waits))
 
-        More than half of the window short is the median below the threshold, without a sort.
-        """
-        window = self.stats.step.last(ADAPT_WINDOW)
-        if not window:
-            return
-        threshold = THREAD_ABOVE_S if self._inline else INLINE_BELOW_S
-        mostly_short = 2 * sum(1 for step in window if step < threshold) > len(window)
+    def _switch(self, threaded: bool) -> None:
+        """Hand the source to the thread, or ask the thread to hand it back, in order."""
         producer = self._producer
-        if producer is None:
-            return  # the first item has not been taken from the thread yet
-        if not self._inline and mostly_short:
+        if not threaded:
+            assert producer is not None  # threaded only once started
+            self._pausing = True
             producer.pause_requested.set()  # the thread answers with Signal.PAUSED, in order
-        elif self._inline and not mostly_short:
+        elif producer is None:
+            self._start()
+        else:
             self._inline = False
             producer.resume()
 

@@ -18,6 +18,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
+from prefetchx._adapt import WINDOW, Chooser
+
 T = TypeVar("T")
 
 
@@ -217,6 +219,15 @@ def run_python(
     )
 
 
+ALWAYS_THREADED = (
+    "import prefetchx._thread_stage as _stage\n"
+    "from tests.helpers import AlwaysThreaded as _AlwaysThreaded\n"
+    "_stage.Chooser = _AlwaysThreaded\n"
+)
+"""Python source for a child process: its thread stages run their thread from the second item
+on, as conftest's ``thread_mode`` makes them in the test process."""
+
+
 def by_path(path: str, *names: str) -> str:
     """Python source that binds ``names`` from the module file at ``path``, loaded by its path.
 
@@ -264,3 +275,29 @@ def torchrun(*args: str, nproc: int = 2) -> tuple[int, str, str]:
         out, err = child.communicate()
         pytest.fail(f"torchrun ran past {TORCHRUN_TIMEOUT:g} s:\n{out}\n{err[-4000:]}")
     return child.returncode, out, err
+
+
+class AlwaysThreaded(Chooser):
+    """A chooser that keeps the thread from the second item on: what most tests run, so that
+    they exercise the thread whatever their loop's pace (see conftest's ``thread_mode``)."""
+
+    def start(self) -> tuple[bool, int]:
+        self.threaded = True
+        return True, WINDOW
+
+    def window(self, period: float, means: Callable[[], tuple[float, float]]) -> tuple[bool, int]:
+        return True, WINDOW
+
+
+class Switching(Chooser):
+    """A chooser that switches between the thread and the caller every other item: the
+    hand-over, in both directions, as often as it can happen."""
+
+    def start(self) -> tuple[bool, int]:
+        self.threaded = True
+        return True, 2
+
+    def window(self, period: float, means: Callable[[], tuple[float, float]]) -> tuple[bool, int]:
+        self.threaded = not self.threaded
+        self.switches += 1
+        return self.threaded, 2

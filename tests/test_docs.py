@@ -411,7 +411,7 @@ def test_the_api_reference_names_no_private_object() -> None:
 
 def test_the_numbers_the_reference_gives_are_the_constants() -> None:
     # It gives them instead of naming the private constants; this keeps them true.
-    from prefetchx import _engine, _stats, _thread_stage
+    from prefetchx import _adapt, _engine, _stats
     from prefetchx._stats import EpochStats
     from prefetchx._thread_stage import ThreadStage
 
@@ -419,8 +419,10 @@ def test_the_numbers_the_reference_gives_are_the_constants() -> None:
         return " ".join((text or "").split())
 
     stage = words(ThreadStage.__doc__)
-    assert f"shorter than {_thread_stage.INLINE_BELOW_S * 1e6:g} us" in stage
-    assert f"the median of its last {_thread_stage.ADAPT_WINDOW} steps" in stage
-    assert f"longer than {_thread_stage.THREAD_ABOVE_S * 1e6:g} us" in stage
+    assert f"windows of {_adapt.WINDOW} items" in stage
+    assert f"changes by more than {_adapt.CHANGED:.0%}" in stage
+    assert f"at most every {_adapt.MAX_BACKOFF} windows" in stage
+    assert f"the first {_adapt.FIRST} items after the first" in stage
+    assert f"take at least {_adapt.HIDE_AT_LEAST_S * 1e6:g} us" in stage
     assert f"Waits up to {_engine.JOIN_TIMEOUT:g} s" in words(ThreadStage.close.__doc__)
     assert f"most recent {_stats.WINDOW} samples" in words(EpochStats.__doc__)

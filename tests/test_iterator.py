@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from conftest import leftovers
 from prefetchx import DataLoaderX, _engine
 from tests.helpers import (
+    ALWAYS_THREADED,
     REPO,
     Counting,
     Gated,
@@ -443,8 +444,9 @@ def test_persistent_close_then_iter_starts_afresh(monkeypatch: pytest.MonkeyPatc
 
 
 def _python(code: str) -> subprocess.Popen[str]:
+    """A child Python running ``code`` with the thread on, as in this process."""
     return subprocess.Popen(
-        [sys.executable, "-c", code],
+        [sys.executable, "-c", ALWAYS_THREADED + code],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -58,6 +58,7 @@ def _shut(loader: DataLoader[Any]) -> None:
 # --- same batches -------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("both_modes")
 @pytest.mark.parametrize("max_prefetch", [0, 1, 3])
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_same_batches_as_dataloader_map_style(max_prefetch: int, num_workers: int) -> None:
@@ -72,6 +73,7 @@ def test_same_batches_as_dataloader_map_style(max_prefetch: int, num_workers: in
         assert as_lists(ours) == as_lists(plain_loader)
 
 
+@pytest.mark.usefixtures("both_modes")
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_same_batches_as_dataloader_iterable(num_workers: int) -> None:
     plain_loader, ours = _loader_pair(dataset=Stream(30), batch_size=4, num_workers=num_workers)
@@ -82,6 +84,7 @@ def test_same_batches_as_dataloader_iterable(num_workers: int) -> None:
 
 # fork, forkserver (Python 3.14's default on Linux) and spawn (macOS and Windows): the last two
 # give workers pickled arguments and a fresh interpreter.
+@pytest.mark.usefixtures("both_modes")
 @pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
 def test_persistent_workers_epochs_match_dataloader(start_method: str) -> None:
     def run(cls: type[DataLoader[Any]]) -> list[Any]:
@@ -191,6 +194,7 @@ def test_two_threads_calling_iter_at_once_each_get_a_whole_epoch() -> None:
 # --- errors (FIELD pitfall 16) --------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("both_modes")
 @pytest.mark.parametrize("max_prefetch", [0, 2])
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_an_error_does_not_end_the_epoch(max_prefetch: int, num_workers: int) -> None:
@@ -329,6 +333,7 @@ SAMPLERS = {
 }
 
 
+@pytest.mark.usefixtures("both_modes")
 @pytest.mark.parametrize("kind", sorted(SAMPLERS))
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_draws_interleave_with_the_callers_as_in_dataloader(kind: str, num_workers: int) -> None:
@@ -424,6 +429,7 @@ class _WarnsAt(Dataset[int]):
         return i
 
 
+@pytest.mark.usefixtures("both_modes")
 def test_a_datasets_warnings_come_with_their_batch() -> None:
     def run(cls: type[DataLoader[Any]]) -> list[Any]:
         return outcomes(iter(cls(_WarnsAt(), batch_size=2)))
@@ -708,6 +714,7 @@ def _soak(cls: type[DataLoader[Any]], seed: int, num_workers: int, persistent: b
     return log, loader, last
 
 
+@pytest.mark.usefixtures("both_modes")
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize(
     ("num_workers", "persistent"), [(0, False), (2, False), (2, True)], ids=["w0", "w2", "w2p"]

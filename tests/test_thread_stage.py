@@ -5,7 +5,6 @@ from __future__ import annotations
 import _thread
 import gc
 import math
-import queue
 import threading
 import time
 import traceback
@@ -16,8 +15,9 @@ from typing import Any
 import pytest
 
 from prefetchx import EpochStats, ThreadStage, _engine
-from prefetchx._engine import Failure, get_from
-from tests.helpers import wait_until
+from prefetchx._adapt import CLEAR_GROWTH, Chooser, Memory
+from prefetchx._engine import Channel, Failure
+from tests.helpers import Switching, wait_until
 
 
 class Abort(BaseException):
@@ -93,6 +93,7 @@ def _flaky() -> Flaky:
 
 @pytest.mark.parametrize("max_prefetch", [0, 1, 3])
 @pytest.mark.parametrize("adaptive", [True, False])
+@pytest.mark.adaptive
 def test_same_outcomes_as_calling_the_source(max_prefetch: int, adaptive: bool) -> None:
     expected = outcomes(_flaky())
     assert len(expected) == 40
@@ -310,12 +311,12 @@ def test_bad_max_prefetch_is_refused(value: object, exc: type[Exception]) -> Non
         ThreadStage(iter([]), max_prefetch=value)  # type: ignore[arg-type]
 
 
-def test_get_from_reports_a_producer_that_died_silently() -> None:
-    q: queue.Queue[object] = queue.Queue(1)
+def test_a_channel_reports_a_producer_that_died_silently() -> None:
+    q = Channel(1)
     dead = threading.Thread(target=lambda: None, name="prefetchx-test-dead")
     dead.start()
     dead.join()
-    value = get_from(q, dead, threading.Event())
+    value = q.get(dead, threading.Event())
     assert isinstance(value, Failure)
     assert isinstance(value.exc, RuntimeError)
     assert "prefetchx-test-dead" in str(value.exc)
@@ -369,48 +370,147 @@ def test_the_callers_filters_when_it_receives_the_item_decide_too() -> None:
     assert caught == []
 
 
-# --- the inline switch ---------------------------------------------------------------------------
+# --- who makes the items: the thread or the caller -----------------------------------------------
 
 
-def test_no_step_work_moves_production_inline_without_losing_an_item() -> None:
+class Paced:
+    """``range(n)``, each item taking ``seconds`` to make in the caller's thread and
+    ``seconds * slower_in_a_thread`` in any other (a thread that costs the machine more than it
+    hides, as on oversubscribed cores), recording who made it."""
+
+    def __init__(self, n: int, seconds: float, slower_in_a_thread: float = 1.0) -> None:
+        self.source = Flaky(n)
+        self.seconds = seconds
+        self.slower = slower_in_a_thread
+        self.main = threading.current_thread()
+
+    @property
+    def threads(self) -> list[str]:
+        return self.source.threads
+
+    def __iter__(self) -> Paced:
+        return self
+
+    def __next__(self) -> int:
+        here = threading.current_thread() is self.main
+        time.sleep(self.seconds if here else self.seconds * self.slower)
+        return next(self.source)
+
+
+def _made_by_thread(threads: list[str]) -> int:
+    return sum(1 for name in threads if name == "prefetchx-thread")
+
+
+@pytest.mark.adaptive
+def test_a_loop_with_no_work_never_starts_the_thread() -> None:
     source = Flaky(300)
     stage = ThreadStage(source, max_prefetch=4)
     assert list(stage) == list(range(300))
-    me = threading.current_thread().name
-    assert source.threads[0] == me  # the first item is always the caller's
-    assert "prefetchx-thread" in source.threads[1:10]
-    assert source.threads[-1] == me
-    assert stage.stats.inline_batches > 200
+    assert set(source.threads) == {threading.current_thread().name}
+    assert stage.thread is None
+    assert stage.stats.inline_batches == 300
 
 
-def test_reading_the_meter_every_step_does_not_stop_the_switch() -> None:
-    source = Flaky(300)
-    stage = ThreadStage(source, max_prefetch=4)
-    for _ in stage:
-        _ = stage.stats.wait.total  # folds the samples, as a logging hook would
-    assert source.threads[-1] == threading.current_thread().name
-    assert stage.stats.inline_batches > 200
+@pytest.mark.adaptive
+def test_nothing_to_hide_in_the_step_never_starts_the_thread() -> None:
+    # Slow items, but a step of no work: a thread could hide nothing behind it.
+    source = Paced(60, 0.001)
+    stage = ThreadStage(source, max_prefetch=2)
+    assert list(stage) == list(range(60))
+    assert stage.thread is None
 
 
-def test_steps_long_enough_bring_the_thread_back() -> None:
-    source = Flaky(200)
+@pytest.mark.adaptive
+def test_a_thread_that_hides_the_data_takes_over_without_losing_an_item() -> None:
+    source = Paced(120, 0.002)
     stage = ThreadStage(source, max_prefetch=2)
     got = []
-    for i, item in enumerate(stage):
+    for item in stage:
         got.append(item)
-        if i >= 60:
-            time.sleep(0.001)  # a real step: the thread can hide the producer's work again
-    assert got == list(range(200))
+        _ = stage.stats.wait.total  # reading the meter (folding it) changes nothing
+        time.sleep(0.002)
+    assert got == list(range(120))
     me = threading.current_thread().name
-    assert me in source.threads[20:60]
+    assert source.threads[:5] == [me] * 5  # the first item, then a first window inline
+    assert _made_by_thread(source.threads) > 80
     assert source.threads[-1] == "prefetchx-thread"
 
 
-def test_close_while_inline_stops_the_parked_thread() -> None:
+@pytest.mark.adaptive
+def test_a_thread_that_slows_the_loop_is_sent_back() -> None:
+    # Made in the thread, an item takes 4x as long: the caller makes them faster itself.
+    source = Paced(160, 0.001, slower_in_a_thread=4.0)
+    memory = Memory()
+    stage = ThreadStage(source, max_prefetch=2, _memory=memory)
+    for _ in stage:
+        time.sleep(0.001)
+    assert stage.thread is not None  # it was tried
+    me = threading.current_thread().name
+    assert source.threads[-1] == me
+    assert source.threads.count(me) > 110
+    assert memory.threaded is False
+    assert memory.backoff >= CLEAR_GROWTH  # and will be tried less often
+
+
+@pytest.mark.adaptive
+def test_the_choice_follows_the_loop_as_it_changes() -> None:
+    # No work in the step first, then a step the thread can hide the data behind.
+    source = Paced(300, 0.001)
+    stage = ThreadStage(source, max_prefetch=2)
+    for i in stage:
+        if i >= 100:
+            time.sleep(0.002)
+    assert _made_by_thread(source.threads[:100]) < 30
+    assert _made_by_thread(source.threads[150:]) > 100
+
+
+@pytest.mark.adaptive
+def test_the_next_epoch_starts_with_what_the_last_one_found() -> None:
+    memory = Memory()
+    first = Paced(80, 0.002)
+    for _ in ThreadStage(first, max_prefetch=2, _memory=memory):
+        time.sleep(0.002)
+    assert memory.threaded is True
+    second = Paced(10, 0.002)
+    stage = ThreadStage(second, max_prefetch=2, _memory=memory)
+    assert next(stage) == 0
+    assert stage.thread is not None  # at once, after the caller's first item
+    assert list(stage) == list(range(1, 10))
+
+
+@pytest.mark.parametrize("max_prefetch", [1, 2, 5])
+def test_switching_every_other_item_loses_and_reorders_nothing(
+    max_prefetch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("prefetchx._thread_stage.Chooser", Switching)
+    expected = outcomes(_flaky())
+    source = _flaky()
+    with ThreadStage(source, max_prefetch) as stage:
+        assert outcomes(stage) == expected
+        assert stage._chooser is not None
+        assert stage._chooser.switches > 8
+    me = threading.current_thread().name
+    assert 5 < source.threads.count(me) < 35  # both made items
+
+
+class _ThenInline(Chooser):
+    """Threaded for one window, then inline for good."""
+
+    def start(self) -> tuple[bool, int]:
+        self.threaded = True
+        return True, 4
+
+    def window(self, period: float, means: Any) -> tuple[bool, int]:
+        self.threaded = False
+        return False, 16
+
+
+def test_close_while_inline_stops_the_parked_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("prefetchx._thread_stage.Chooser", _ThenInline)
     stage = ThreadStage(_gen(10**6), max_prefetch=2)
     for _ in range(100):
         next(stage)
-    assert stage.stats.inline_batches > 0
+    assert stage.stats.inline_batches > 80
     assert stage.producer_alive  # parked, not gone
     stage.close()
     assert not stage.producer_alive
@@ -420,6 +520,18 @@ def test_adaptive_off_keeps_the_thread() -> None:
     source = Flaky(100)
     assert list(ThreadStage(source, 2, adaptive=False)) == list(range(100))
     assert set(source.threads[1:]) == {"prefetchx-thread"}
+
+
+class _ThenInlineAt40(Chooser):
+    """Threaded for the first 40 items, then inline."""
+
+    def start(self) -> tuple[bool, int]:
+        self.threaded = True
+        return True, 39
+
+    def window(self, period: float, means: Any) -> tuple[bool, int]:
+        self.threaded = False
+        return False, 16
 
 
 # --- the stall meter -----------------------------------------------------------------------------
@@ -577,9 +689,13 @@ def test_several_batches_taken_for_one_step_file_it_once() -> None:
     assert stats.step_threaded.total == pytest.approx(0.03)
 
 
-def test_a_real_epoch_files_its_steps_by_who_made_the_next_batch() -> None:
-    # Long steps keep the thread on, then steps with no work park it: every batch taken from
+def test_a_real_epoch_files_its_steps_by_who_made_the_next_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Long steps with the thread on, then steps with it parked: every batch taken from
     # the queue files the step before it as threaded, and the rest are inline.
+    monkeypatch.setattr("prefetchx._thread_stage.Chooser", _ThenInlineAt40)
+
     def step_for(i: int) -> None:
         if i < 40:
             time.sleep(0.0005)

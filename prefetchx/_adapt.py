@@ -1,0 +1,145 @@
+"""Who makes the batches, the thread or the loop itself: whichever gives the loop its batches
+faster, measured.
+
+A thread hides the time a batch takes to make behind the loop's step, and costs a hand-off per
+batch, the GIL and the cores it shares with the step. Which of the two wins depends on the data,
+the step, the machine and what else runs, and it changes as the loop does (warm-up, evaluation
+phases). So the stage measures the one figure that settles it, the loop's wall time per batch
+(``next()`` and the step together), over windows of batches, in each mode, and keeps the faster.
+
+`Chooser` is the decision alone, fed one window at a time, with no clock and no thread, so that
+it can be tested on numbers; `ThreadStage` measures the windows and switches. What it learns
+outlives the epoch in a `Memory` the loader keeps, so the next epoch starts in the mode that won.
+
+The measurement is the one a depth controller needs too (the time per batch at each
+``max_prefetch``, the faster under a memory budget, tf.data's AUTOTUNE being the anchor): a mode
+here is one option, and a depth would be more of them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+WINDOW = 16
+"""Batches in a measured window."""
+
+FIRST = 4
+"""Batches in the epoch's first window, made inline: the step and the data timed without a
+thread, after the first batch (its wait includes starting the epoch)."""
+
+SETTLE = 4
+"""Batches after a switch that are not measured: the queue fills, or drains the batches made
+ahead, which would flatter the mode just left."""
+
+MARGIN = 0.03
+"""A probed mode takes over only when its time per batch beats the incumbent's by this much."""
+
+CHANGED = 0.25
+"""A window whose time per batch moves this far from the incumbent's at its last decision says
+the loop has changed: the other mode is probed again at once."""
+
+CLEAR_GROWTH = 4
+"""How much longer the next probe waits when this one was clear (one mode slower by more than
+`CHANGED`): a clear answer is not noise."""
+
+MAX_BACKOFF = 256
+"""Windows between probes at most, while every probe confirms the incumbent: a probe of a mode
+twice as slow then costs about 0.5% of the loop's time."""
+
+HIDE_AT_LEAST_S = 10e-6
+"""Below this, the shorter of the mean step and the mean wait for data (what a thread could
+hide at best, per batch) is less than any hand-off costs: the thread is not worth a probe."""
+
+
+class Memory:
+    """What a loader's epochs have learnt: the mode that won, and how long it has held."""
+
+    __slots__ = ("backoff", "threaded")
+
+    def __init__(self) -> None:
+        self.threaded: bool | None = None
+        """The mode that won last; ``None`` before any decision."""
+        self.backoff = 1
+        """Windows between probes of the other mode."""
+
+
+class Chooser:
+    """The decision of one epoch, window by window.
+
+    `start` says how the epoch begins (after its first batch, always made inline); then each
+    `window` is told the loop's time per batch over the window that just ended, and answers
+    with the mode and the length of the next window. A probe switches to the other mode for a
+    settling window and a measured one, then keeps whichever was faster.
+    """
+
+    def __init__(self, memory: Memory) -> None:
+        self.memory = memory
+        self.threaded = False
+        self.switches = 0
+        """Switches of mode so far, probes and their returns included."""
+        self._period = [math.nan, math.nan]  # the last measured time per batch, [inline, threaded]
+        self._reference = math.nan  # the incumbent's time per batch when it was last decided
+        self._since = 0  # measured windows of the incumbent since the last probe
+        self._settling = False
+        self._probing = False
+
+    def start(self) -> tuple[bool, int]:
+        """The first mode after the epoch's first batch, and its window's length."""
+        if self.memory.threaded:
+            self.threaded = True
+            self._settling = True  # the thread starts with an empty queue
+            return True, SETTLE
+        return False, FIRST
+
+    def window(self, period: float, means: Callable[[], tuple[float, float]]) -> tuple[bool, int]:
+        """A window ended: the mode for the next one and its length.
+
+        Args:
+            period: The loop's wall time per batch over the window, in seconds.
+            means: Gives the window's mean step (from getting a batch to asking for the next)
+                and mean wait inside ``next()``; called only when they are needed.
+        """
+        if self._settling:
+            self._settling = False
+            return self.threaded, WINDOW
+        mode = self.threaded
+        self._period[mode] = period
+        memory = self.memory
+        if self._probing:
+            self._probing = False
+            incumbent = self._period[not mode]
+            won = period < incumbent * (1 - MARGIN)
+            clear = max(period, incumbent) > (1 + CHANGED) * min(period, incumbent)
+            if won:  # the probe is the incumbent now; look again soon unless it won clearly
+                memory.threaded, memory.backoff = mode, (CLEAR_GROWTH if clear else 1)
+                self._reference, self._since = period, 0
+                return mode, WINDOW
+            growth = CLEAR_GROWTH if clear else 2
+            memory.backoff = min(growth * memory.backoff, MAX_BACKOFF)
+            self._reference, self._since = incumbent, 0
+            return self._switch()
+        memory.threaded = mode
+        if math.isnan(self._reference):
+            self._reference = period
+        elif abs(period / self._reference - 1) > CHANGED:  # the loop changed: look again
+            memory.backoff, self._reference = 1, period
+        self._since += 1
+        if self._since >= memory.backoff and (mode or _thread_may_help(period, means)):
+            self._probing = True
+            return self._switch()
+        return mode, WINDOW
+
+    def _switch(self) -> tuple[bool, int]:
+        self.threaded = not self.threaded
+        self.switches += 1
+        self._settling = True
+        return self.threaded, SETTLE
+
+
+def _thread_may_help(period: float, means: Callable[[], tuple[float, float]]) -> bool:
+    """Whether, inline, a thread could hide more per batch than any hand-off costs."""
+    if period < 2 * HIDE_AT_LEAST_S:  # the cheap answer for a loop with no work
+        return False
+    step, wait = means()
+    return min(step, wait) >= HIDE_AT_LEAST_S
