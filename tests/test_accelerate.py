@@ -473,3 +473,18 @@ def test_trainer_trains_evaluates_and_resumes_as_the_plain_trainer(
             assert run.threads == {"prefetchx-thread"}
     assert resumed[kind] == resumed["Trainer"]
     assert len(resumed["Trainer"]["seen"]) == 16 - 6  # checkpoint-2 is 6 batches in
+
+
+@needs_transformers
+def test_trainer_resume_without_the_line_warns_at_once_with_the_fix(tmp_path: Path) -> None:
+    # The Trainer skips into the resumed epoch with accelerate's skip_first_batches, from its
+    # private _run_epoch, on the loader get_train_dataloader returned: without the documented
+    # line, the epoch would run on accelerate's plain loader, unnormalized.
+    _Run("add_stages", tmp_path).trainer.train()
+    run = _Run("add_stages", tmp_path)
+    fix = r"prefetchx\.accelerate\.skip_first_batches\(loader, num_batches\)"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="prefetchx: accelerate's skip_first_batches")
+        with pytest.raises(UserWarning, match=fix):
+            run.trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert run.seen == []  # before the first step
