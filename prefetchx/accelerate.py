@@ -146,7 +146,9 @@ def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
 
     accelerate rebuilds the loader to skip the first ``num_batches`` at the sampler, without
     loading them, as a plain `DataLoader`; this puts the same stages beneath the loader it
-    returns. Any other loader gets accelerate's result unchanged.
+    returns. Any other loader gets accelerate's result unchanged. accelerate's function itself,
+    and ``accelerator.skip_first_batches``, warn when given a loader with the stages, and return
+    one without them.
 
     The Hugging Face Trainer calls accelerate's function from its own module on a mid-epoch
     resume: ``transformers.trainer.skip_first_batches = prefetchx.accelerate.skip_first_batches``
@@ -161,7 +163,8 @@ def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
     """
     if isinstance(dataloader, Prefetcher) and dataloader._accelerates is not None:
         dataloader = dataloader._accelerates  # its copy of accelerate's loader, with the stages
-    skipped = accelerate_data_loader.skip_first_batches(dataloader, num_batches=num_batches)
+    with _preparing():
+        skipped = accelerate_data_loader.skip_first_batches(dataloader, num_batches=num_batches)
     source = dataloader.base_dataloader if _is_accelerates(dataloader) else dataloader
     if not isinstance(source, DataLoaderX):
         return skipped
@@ -254,7 +257,7 @@ def _is_accelerates(loader: Any) -> bool:
 
 @contextlib.contextmanager
 def _preparing() -> Iterator[None]:
-    """While prefetchx has accelerate prepare a `DataLoaderX`, it does not warn."""
+    """While prefetchx has accelerate prepare or skip into a `DataLoaderX`, it does not warn."""
     previous = getattr(accelerate_preparing, "active", False)
     accelerate_preparing.active = True
     try:

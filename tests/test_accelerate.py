@@ -262,17 +262,22 @@ def test_save_state_and_load_state_as_with_accelerates_loader(tmp_path: Path) ->
 # --- skip_first_batches --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["prepare", "Prefetcher", "unprepared"])
-def test_skip_first_batches_keeps_the_stages(path: str) -> None:
-    accelerator = _accelerator()
-    torch.manual_seed(0)
-    expected_loader: Any = accelerator.prepare(DataLoader(_images(), batch_size=4, shuffle=True))
+def _to_skip(path: str, accelerator: Any) -> tuple[Any, Any]:
+    """accelerate's own loader, and a path's prefetching one, each shuffled from seed 0."""
     torch.manual_seed(0)
     if path == "unprepared":
-        expected_loader = DataLoader(_images(), batch_size=4, shuffle=True)
-        loader: Any = DataLoaderX(_images(), batch_size=4, shuffle=True, **STAGES)
-    else:
-        loader = _prepared(path, accelerator, batch_size=4, shuffle=True)
+        own: Any = DataLoader(_images(), batch_size=4, shuffle=True)
+        torch.manual_seed(0)
+        return own, DataLoaderX(_images(), batch_size=4, shuffle=True, **STAGES)
+    own = accelerator.prepare(DataLoader(_images(), batch_size=4, shuffle=True))
+    torch.manual_seed(0)
+    return own, _prepared(path, accelerator, batch_size=4, shuffle=True)
+
+
+@pytest.mark.parametrize("path", ["prepare", "add_stages", "Prefetcher", "unprepared"])
+def test_skip_first_batches_keeps_the_stages(path: str) -> None:
+    accelerator = _accelerator()
+    expected_loader, loader = _to_skip(path, accelerator)
 
     def run(skipped: Any) -> list[tuple[Any, ...]]:
         state = accelerator.gradient_state
@@ -281,11 +286,31 @@ def test_skip_first_batches_keeps_the_stages(path: str) -> None:
     torch.manual_seed(1)
     expected = run(accelerate.skip_first_batches(expected_loader, 3))
     torch.manual_seed(1)
-    skipped = pxa.skip_first_batches(loader, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # prefetchx's own call to accelerate's does not warn
+        skipped = pxa.skip_first_batches(loader, 3)
     assert len(skipped) == len(expected) == 7
     got = run(skipped)
     assert [r[:2] for r in got] == [r[:2] for r in expected]
     assert all(normalized for *_, normalized in got)
+
+
+@pytest.mark.parametrize("path", ["prepare", "add_stages", "Prefetcher", "unprepared"])
+def test_accelerators_skip_first_batches_warns_at_once_with_the_fix(path: str) -> None:
+    # accelerate's skip_first_batches rebuilds the loader as its own class over a new plain
+    # DataLoader; nothing on the loader can carry the stages across, so it must say so at once.
+    accelerator = _accelerator()
+    own, loader = _to_skip(path, accelerator)
+    torch.manual_seed(1)
+    expected = [y.tolist() for _, y in accelerator.skip_first_batches(own, 3)]
+    torch.manual_seed(1)
+    fix = r"prefetchx\.accelerate\.skip_first_batches\(loader, num_batches\)"
+    with pytest.warns(UserWarning, match=fix) as seen:
+        skipped = accelerator.skip_first_batches(loader, 3)
+    assert [Path(w.filename).name for w in seen] == [Path(__file__).name]  # the caller's line
+    got = [(y.tolist(), _normalized(x)) for x, y in skipped]
+    assert [y for y, _ in got] == expected  # accelerate's batches, as with its own loader
+    assert not any(normalized for _, normalized in got)  # without the stages, as it warned
 
 
 # --- the Hugging Face Trainer --------------------------------------------------------------------
@@ -448,3 +473,18 @@ def test_trainer_trains_evaluates_and_resumes_as_the_plain_trainer(
             assert run.threads == {"prefetchx-thread"}
     assert resumed[kind] == resumed["Trainer"]
     assert len(resumed["Trainer"]["seen"]) == 16 - 6  # checkpoint-2 is 6 batches in
+
+
+@needs_transformers
+def test_trainer_resume_without_the_line_warns_at_once_with_the_fix(tmp_path: Path) -> None:
+    # The Trainer skips into the resumed epoch with accelerate's skip_first_batches, from its
+    # private _run_epoch, on the loader get_train_dataloader returned: without the documented
+    # line, the epoch would run on accelerate's plain loader, unnormalized.
+    _Run("add_stages", tmp_path).trainer.train()
+    run = _Run("add_stages", tmp_path)
+    fix = r"prefetchx\.accelerate\.skip_first_batches\(loader, num_batches\)"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="prefetchx: accelerate's skip_first_batches")
+        with pytest.raises(UserWarning, match=fix):
+            run.trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert run.seen == []  # before the first step

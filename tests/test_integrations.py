@@ -393,22 +393,45 @@ class _Sized(_Resumable):
         return self.n
 
 
+class _DatasetsState(DataLoader[Any]):
+    """A plain DataLoader whose state is its dataset's own: where it has got to, as any loader's
+    state that counts what it has handed out (``num_workers=0``: nothing is made ahead)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dataset.state_dict()  # type: ignore[attr-defined,no-any-return]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state)  # type: ignore[attr-defined]
+
+
 @needs_lightning
 @pytest.mark.parametrize("sized", [True, False], ids=["with-len", "without-len"])
 def test_lightning_resumes_an_iterable_dataset_with_its_own_state(
     sized: bool, tmp_path: Path
 ) -> None:
-    def make() -> DataLoaderX[Any]:
-        dataset = (_Sized if sized else _Resumable)(10, own_state=True)
-        return DataLoaderX(dataset, batch_size=2)
+    def run(cls: Any) -> tuple[list[Any], list[Any]]:
+        def make() -> Any:
+            return cls((_Sized if sized else _Resumable)(10, own_state=True), batch_size=2)
 
-    uninterrupted, resumed = _resume_fit(make, tmp_path, stop_at=7)
+        return _resume_fit(make, tmp_path / cls.__name__, stop_at=7)  # 2 batches into epoch 1
+
+    runs = {cls: run(cls) for cls in (DataLoader, _DatasetsState, DataLoaderX)}
+    uninterrupted = runs[DataLoaderX][0]
+    assert all(full == uninterrupted for full, _ in runs.values())
+    resumed = {cls: then for cls, (_, then) in runs.items()}
+    # DataLoader is not resumable: Lightning saves no state for it, and the resumed epoch starts
+    # again at its first batch (the length Lightning counted, if any, ends it).
+    again = uninterrupted[:3] if sized else uninterrupted
+    assert resumed[DataLoader] == uninterrupted[:2] + again
     if sized:
-        assert resumed == uninterrupted
+        assert resumed[DataLoaderX] == resumed[_DatasetsState] == uninterrupted
     else:
-        # Without len(), Lightning takes one batch ahead of its step to know the epoch's end;
-        # the state counts it as taken, so the resumed epoch goes on after it (see the docs).
-        assert resumed == uninterrupted[:2] + uninterrupted[3:]
+        # Without len(), Lightning's loop takes each batch one step ahead, to know whether the
+        # step's batch is the last, and saves the loader's state while it holds that batch: any
+        # state that counts what the loader handed out counts it, so the resumed epoch goes on
+        # after it (see the docs). Lightning's, not the stages': the plain loader does the same.
+        assert resumed[DataLoaderX] == resumed[_DatasetsState]
+        assert resumed[DataLoaderX] == uninterrupted[:2] + uninterrupted[3:]
 
 
 @needs_lightning
