@@ -33,11 +33,16 @@ SETTLE = 4
 ahead, which would flatter the mode just left."""
 
 MARGIN = 0.03
-"""A probed mode takes over only when its time per batch beats the incumbent's by this much."""
+"""A probed mode takes over only when its time per batch beats the incumbent's by this much, or
+by how far the incumbent's windows stray from their smoothed figure if that is more."""
 
 CHANGED = 0.25
-"""A window whose time per batch moves this far from the incumbent's at its last decision says
-the loop has changed: the other mode is probed again at once."""
+"""The incumbent's smoothed time per batch moving this far from its value at the last decision
+says the loop has changed: the other mode is probed again at once."""
+
+SMOOTHING = 0.25
+"""Weight of each new window in the incumbent's smoothed time per batch (about the last 4
+windows count)."""
 
 CLEAR_GROWTH = 4
 """How much longer the next probe waits when this one was clear (one mode slower by more than
@@ -53,15 +58,17 @@ hide at best, per batch) is less than any hand-off costs: the thread is not wort
 
 
 class Memory:
-    """What a loader's epochs have learnt: the mode that won, and how long it has held."""
+    """What a loader's epochs have learnt: the mode that won, and when to look again."""
 
-    __slots__ = ("backoff", "threaded")
+    __slots__ = ("backoff", "since", "threaded")
 
     def __init__(self) -> None:
         self.threaded: bool | None = None
         """The mode that won last; ``None`` before any decision."""
         self.backoff = 1
-        """Windows between probes of the other mode."""
+        """Measured windows of the incumbent between two probes of the other mode."""
+        self.since = 0
+        """Measured windows of the incumbent since the last probe, across epochs."""
 
 
 class Chooser:
@@ -70,7 +77,10 @@ class Chooser:
     `start` says how the epoch begins (after its first batch, always made inline); then each
     `window` is told the loop's time per batch over the window that just ended, and answers
     with the mode and the length of the next window. A probe switches to the other mode for a
-    settling window and a measured one, then keeps whichever was faster.
+    settling window and a measured one, then keeps whichever was faster. The incumbent's time
+    per batch is smoothed over its windows, so that a loop whose steps vary from batch to batch
+    (a window of 16 random steps is noisy) neither looks like it changed nor loses a
+    comparison to a lucky probe.
     """
 
     def __init__(self, memory: Memory) -> None:
@@ -78,19 +88,20 @@ class Chooser:
         self.threaded = False
         self.switches = 0
         """Switches of mode so far, probes and their returns included."""
-        self._period = [math.nan, math.nan]  # the last measured time per batch, [inline, threaded]
-        self._reference = math.nan  # the incumbent's time per batch when it was last decided
-        self._since = 0  # measured windows of the incumbent since the last probe
+        self._smooth = math.nan  # the incumbent's time per batch, smoothed over its windows
+        self._reference = math.nan  # the same, when it was last decided or seen to change
+        self._spread = 0.0  # how far the incumbent's windows stray from it, smoothed alike
         self._settling = False
         self._probing = False
 
     def start(self) -> tuple[bool, int]:
         """The first mode after the epoch's first batch, and its window's length."""
-        if self.memory.threaded:
+        threaded = self.memory.threaded
+        if threaded:
             self.threaded = True
             self._settling = True  # the thread starts with an empty queue
             return True, SETTLE
-        return False, FIRST
+        return False, (FIRST if threaded is None else WINDOW)
 
     def window(self, period: float, means: Callable[[], tuple[float, float]]) -> tuple[bool, int]:
         """A window ended: the mode for the next one and its length.
@@ -104,31 +115,45 @@ class Chooser:
             self._settling = False
             return self.threaded, WINDOW
         mode = self.threaded
-        self._period[mode] = period
         memory = self.memory
         if self._probing:
-            self._probing = False
-            incumbent = self._period[not mode]
-            won = period < incumbent * (1 - MARGIN)
-            clear = max(period, incumbent) > (1 + CHANGED) * min(period, incumbent)
-            if won:  # the probe is the incumbent now; look again soon unless it won clearly
-                memory.threaded, memory.backoff = mode, (CLEAR_GROWTH if clear else 1)
-                self._reference, self._since = period, 0
-                return mode, WINDOW
-            growth = CLEAR_GROWTH if clear else 2
-            memory.backoff = min(growth * memory.backoff, MAX_BACKOFF)
-            self._reference, self._since = incumbent, 0
-            return self._switch()
+            return self._decide(period)
         memory.threaded = mode
-        if math.isnan(self._reference):
-            self._reference = period
-        elif abs(period / self._reference - 1) > CHANGED:  # the loop changed: look again
-            memory.backoff, self._reference = 1, period
-        self._since += 1
-        if self._since >= memory.backoff and (mode or _thread_may_help(period, means)):
+        smooth = self._smooth
+        if math.isnan(smooth):
+            self._smooth = self._reference = period
+        else:
+            self._spread += (abs(period - smooth) - self._spread) * SMOOTHING
+            self._smooth = smooth = smooth + (period - smooth) * SMOOTHING
+            if abs(smooth / self._reference - 1) > CHANGED:
+                # The loop changed: probe again after one more window, against a figure from
+                # the two windows since the change, not one that still lags behind it.
+                memory.backoff, memory.since = 1, -1
+                self._smooth = self._reference = period
+        memory.since += 1
+        if memory.since >= memory.backoff and (mode or _thread_may_help(period, means)):
             self._probing = True
             return self._switch()
         return mode, WINDOW
+
+    def _decide(self, period: float) -> tuple[bool, int]:
+        """The probe's window ended: keep the faster mode; look again later, the later the
+        clearer the answer."""
+        self._probing = False
+        memory = self.memory
+        memory.since = 0
+        incumbent = self._smooth
+        clear = max(period, incumbent) > (1 + CHANGED) * min(period, incumbent)
+        # One window of the probe against the incumbent's smoothed figure: it must win by more
+        # than the incumbent's windows stray, or a noisy loop would flip on a lucky window.
+        margin = max(MARGIN, self._spread / incumbent)
+        if period < incumbent * (1 - margin):  # the probe won: it is the incumbent now
+            memory.threaded, memory.backoff = self.threaded, (CLEAR_GROWTH if clear else 1)
+            self._smooth = self._reference = period
+            return self.threaded, WINDOW
+        memory.backoff = min((CLEAR_GROWTH if clear else 2) * memory.backoff, MAX_BACKOFF)
+        self._reference = incumbent
+        return self._switch()
 
     def _switch(self) -> tuple[bool, int]:
         self.threaded = not self.threaded
