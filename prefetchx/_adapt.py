@@ -58,50 +58,60 @@ hide at best, per batch) is less than any hand-off costs: the thread is not wort
 
 
 class Memory:
-    """What a loader's epochs have learnt: the mode that won, and when to look again."""
+    """What a loader's epochs have learnt, so that each goes on where the last one stopped: the
+    incumbent mode and its figures, when to look again, and a probe an epoch ended in."""
 
-    __slots__ = ("backoff", "since", "threaded")
+    __slots__ = ("backoff", "probing", "reference", "since", "smooth", "spread", "threaded")
 
     def __init__(self) -> None:
         self.threaded: bool | None = None
-        """The mode that won last; ``None`` before any decision."""
+        """The incumbent mode; ``None`` before the first window."""
         self.backoff = 1
         """Measured windows of the incumbent between two probes of the other mode."""
         self.since = 0
-        """Measured windows of the incumbent since the last probe, across epochs."""
+        """Measured windows of the incumbent since the last probe."""
+        self.probing = False
+        """Whether the other mode is being probed (an epoch may end in a probe)."""
+        self.smooth = math.nan
+        """The incumbent's time per batch, smoothed over its windows."""
+        self.spread = 0.0
+        """How far the incumbent's windows stray from ``smooth``, smoothed alike."""
+        self.reference = math.nan
+        """``smooth`` when it was last decided or seen to change."""
 
 
 class Chooser:
-    """The decision of one epoch, window by window.
+    """The decision, window by window, for one epoch of a loader whose `Memory` it carries on.
 
     `start` says how the epoch begins (after its first batch, always made inline); then each
     `window` is told the loop's time per batch over the window that just ended, and answers
     with the mode and the length of the next window. A probe switches to the other mode for a
-    settling window and a measured one, then keeps whichever was faster. The incumbent's time
-    per batch is smoothed over its windows, so that a loop whose steps vary from batch to batch
-    (a window of 16 random steps is noisy) neither looks like it changed nor loses a
-    comparison to a lucky probe.
+    settling window and a measured one, then keeps whichever was faster; an epoch that ends
+    before the probe does leaves it to the next. The incumbent's time per batch is smoothed
+    over its windows, so that a loop whose steps vary from batch to batch (a window of 16
+    random steps is noisy) neither looks like it changed nor loses a comparison to a lucky
+    probe.
     """
 
     def __init__(self, memory: Memory) -> None:
         self.memory = memory
         self.threaded = False
+        """The mode of the current window."""
         self.switches = 0
         """Switches of mode so far, probes and their returns included."""
-        self._smooth = math.nan  # the incumbent's time per batch, smoothed over its windows
-        self._reference = math.nan  # the same, when it was last decided or seen to change
-        self._spread = 0.0  # how far the incumbent's windows stray from it, smoothed alike
         self._settling = False
-        self._probing = False
 
     def start(self) -> tuple[bool, int]:
         """The first mode after the epoch's first batch, and its window's length."""
-        threaded = self.memory.threaded
-        if threaded:
-            self.threaded = True
+        memory = self.memory
+        incumbent = memory.threaded
+        if incumbent is None:
+            return False, FIRST
+        self.threaded = (not incumbent) if memory.probing else incumbent
+        if self.threaded or memory.probing:
             self._settling = True  # the thread starts with an empty queue
-            return True, SETTLE
-        return False, (FIRST if threaded is None else WINDOW)
+            return self.threaded, SETTLE
+        return False, WINDOW
 
     def window(self, period: float, means: Callable[[], tuple[float, float]]) -> tuple[bool, int]:
         """A window ended: the mode for the next one and its length.
@@ -114,45 +124,44 @@ class Chooser:
         if self._settling:
             self._settling = False
             return self.threaded, WINDOW
-        mode = self.threaded
         memory = self.memory
-        if self._probing:
+        if memory.probing:
             return self._decide(period)
-        memory.threaded = mode
-        smooth = self._smooth
+        mode = memory.threaded = self.threaded
+        smooth = memory.smooth
         if math.isnan(smooth):
-            self._smooth = self._reference = period
+            memory.smooth = memory.reference = period
         else:
-            self._spread += (abs(period - smooth) - self._spread) * SMOOTHING
-            self._smooth = smooth = smooth + (period - smooth) * SMOOTHING
-            if abs(smooth / self._reference - 1) > CHANGED:
+            memory.spread += (abs(period - smooth) - memory.spread) * SMOOTHING
+            memory.smooth = smooth = smooth + (period - smooth) * SMOOTHING
+            if abs(smooth / memory.reference - 1) > CHANGED:
                 # The loop changed: probe again after one more window, against a figure from
                 # the two windows since the change, not one that still lags behind it.
                 memory.backoff, memory.since = 1, -1
-                self._smooth = self._reference = period
+                memory.smooth = memory.reference = period
         memory.since += 1
         if memory.since >= memory.backoff and (mode or _thread_may_help(period, means)):
-            self._probing = True
+            memory.probing = True
             return self._switch()
         return mode, WINDOW
 
     def _decide(self, period: float) -> tuple[bool, int]:
         """The probe's window ended: keep the faster mode; look again later, the later the
         clearer the answer."""
-        self._probing = False
         memory = self.memory
+        memory.probing = False
         memory.since = 0
-        incumbent = self._smooth
+        incumbent = memory.smooth
         clear = max(period, incumbent) > (1 + CHANGED) * min(period, incumbent)
         # One window of the probe against the incumbent's smoothed figure: it must win by more
         # than the incumbent's windows stray, or a noisy loop would flip on a lucky window.
-        margin = max(MARGIN, self._spread / incumbent)
+        margin = max(MARGIN, memory.spread / incumbent)
         if period < incumbent * (1 - margin):  # the probe won: it is the incumbent now
             memory.threaded, memory.backoff = self.threaded, (CLEAR_GROWTH if clear else 1)
-            self._smooth = self._reference = period
+            memory.smooth = memory.reference = period
             return self.threaded, WINDOW
         memory.backoff = min((CLEAR_GROWTH if clear else 2) * memory.backoff, MAX_BACKOFF)
-        self._reference = incumbent
+        memory.reference = incumbent
         return self._switch()
 
     def _switch(self) -> tuple[bool, int]:

@@ -145,3 +145,16 @@ def test_probes_go_on_across_epochs_at_the_pace_reached() -> None:
     assert not any(loop.modes)  # the next probe comes when the last epoch's count says
     loop.run(2)
     assert loop.modes[-1]
+
+
+def test_an_epoch_that_ends_in_a_probe_leaves_it_to_the_next() -> None:
+    memory = Memory()
+    first = Loop(Chooser(memory), inline=2 * MS, threaded=1 * MS)
+    first.run(1)  # the first window, inline; the thread's probe starts, and the epoch ends
+    assert first.threaded
+    assert memory.probing
+    second = Loop(Chooser(memory), inline=2 * MS, threaded=1 * MS)
+    assert (second.threaded, second.length) == (True, SETTLE)  # the probe, from its start
+    second.run(2)
+    assert memory.threaded is True
+    assert not memory.probing
