@@ -291,8 +291,8 @@ class ThreadStage(Iterator[T], Generic[T]):
     consumer's pace changes by more than 25%, and less and less often while the answer holds,
     at most every 256 windows. It starts without the thread: the first 4 items after the first
     time the step and the source alone, and the thread is tried only if both take at least
-    10 us, as less is not worth a hand-off. A loader's next epoch starts with the answer of the
-    last. Only one of the two ever calls the source at a time.
+    10 us, as less is not worth a hand-off. A loader's next epoch goes on from where the last
+    one's choice stood. Only one of the two ever calls the source at a time.
 
     Args:
         source: The iterator to run ahead. Create it on the calling thread.
