@@ -13,6 +13,8 @@ import datetime
 import faulthandler
 import gc
 import os
+import signal
+import subprocess
 import sys
 import threading
 from typing import Any
@@ -25,7 +27,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from prefetchx import DataLoaderX
-from tests.helpers import torchrun, wait_until
+from tests.helpers import TORCHRUN_TIMEOUT, Pauses, torchrun, wait_until
+
+pytestmark = pytest.mark.timeout(2 * TORCHRUN_TIMEOUT + 20)
+"""`torchrun` runs twice when the machine stood still during a failed first run."""
 
 WORLD_SIZE = 2
 SAMPLES = 40  # divisible by WORLD_SIZE: DistributedSampler pads with repeats otherwise
@@ -187,6 +192,17 @@ def test_ddp_kept_the_ranks_in_step(ranks: list[dict[str, Any]]) -> None:
 def test_no_rank_left_a_thread_or_a_worker(ranks: list[dict[str, Any]]) -> None:
     for rank, record in enumerate(ranks):
         assert record["leaks"] == [], f"rank {rank}"
+
+
+def test_pauses_measures_how_long_this_process_stood_still() -> None:
+    # The process stops itself; a child resumes it a second later (and again, to be safe).
+    with Pauses() as pauses:
+        waker = subprocess.Popen(
+            ["sh", "-c", f"sleep 1; kill -CONT {os.getpid()}; sleep 2; kill -CONT {os.getpid()}"]
+        )
+        os.kill(os.getpid(), signal.SIGSTOP)
+    waker.wait()
+    assert 0.8 <= pauses.longest < 10, pauses.longest
 
 
 if __name__ == "__main__":
