@@ -5,17 +5,29 @@ epochs from a DataLoaderX over a `DistributedSampler`, reads the same epochs fro
 `DataLoader` over the same sampler, and saves what it saw. The checks run in the test process,
 over both ranks' records. Ranks under torchrun rather than spawned from the test process: a spawn
 context leaves multiprocessing's resource tracker running in it for the rest of the session.
+
+When a run fails, the test says where each process was: a rank that makes no progress for
+`STALL_AFTER` seconds writes every thread's stack to a file, and so does a worker still running
+that long after it started; the failure message shows those files before torchrun's output.
+Issue #17 has the analysis of the one failure seen: both ranks stay in step at every collective,
+cold or starved (measured), so a rank stuck for the 60 s collective timeout is either stuck or
+the whole machine stood still; `tests.helpers.torchrun` measures the latter and runs once more.
 """
 
 from __future__ import annotations
 
 import datetime
 import faulthandler
+import functools
 import gc
+import glob
 import os
+import signal
+import subprocess
 import sys
 import threading
-from typing import Any
+import time
+from typing import Any, TextIO
 
 import psutil
 import pytest
@@ -25,7 +37,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from prefetchx import DataLoaderX
-from tests.helpers import torchrun, wait_until
+from tests.helpers import TORCHRUN_TIMEOUT, Pauses, torchrun, wait_until
+
+pytestmark = pytest.mark.timeout(2 * TORCHRUN_TIMEOUT + 20)
+"""`torchrun` runs twice when the machine stood still during a failed first run."""
 
 WORLD_SIZE = 2
 SAMPLES = 40  # divisible by WORLD_SIZE: DistributedSampler pads with repeats otherwise
@@ -34,26 +49,36 @@ EPOCHS = 2
 SEED = 11
 NUM_WORKERS = (0, 2)
 
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+HANG = float(os.environ.get("PREFETCHX_TEST_HANG", "0"))
+"""Set (seconds) only by `test_a_hung_rank_fails_the_run_and_says_where`: rank 0's workers hang
+for twice that long, and the timeouts below shrink to it, so that test sees a real hang caught."""
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=HANG or 60)
 """A rank waiting this long in a collective for the other fails instead of hanging."""
 
-STACKS_AFTER = 45.0
-"""Seconds after which each rank and each worker prints every thread's stack to stderr, again
-every as many seconds: a rank stuck before the collective timeout then shows where it is."""
+STALL_AFTER = COLLECTIVE_TIMEOUT.total_seconds() / 3
+"""Seconds without progress after which a rank writes every thread's stack to its stacks file (and
+seconds after which a worker still running writes its own): well inside `COLLECTIVE_TIMEOUT`, so
+a rank that keeps the other waiting says where it is before the other gives up. Progress re-arms
+the rank's timer, so a slow machine writes nothing."""
 
 
-def _watch_stacks() -> None:
-    """In a rank: dump all threads' stacks to stderr every `STACKS_AFTER` seconds."""
-    faulthandler.dump_traceback_later(STACKS_AFTER, repeat=True, file=sys.stderr)
+def _stacks_file(out_dir: str, name: str) -> TextIO:
+    return open(os.path.join(out_dir, f"stacks-{name}-pid{os.getpid()}.txt"), "w")
 
 
-def _watch_worker(worker_id: int) -> None:
-    """In a worker: dump its stacks once after `STACKS_AFTER` seconds if it is still running.
+def _watch_worker(out_dir: str, rank: int, worker_id: int) -> None:
+    """In a worker: write its stacks once, `STALL_AFTER` s after it starts, if still running.
 
-    Not `dump_traceback_later`: in a child forked from a rank that armed it, it waits forever
-    on the rank's watchdog thread, which the child does not have.
+    Not `faulthandler.dump_traceback_later`: in a child forked from a rank that armed it, it waits
+    forever on the rank's watchdog thread, which the child does not have.
     """
-    timer = threading.Timer(STACKS_AFTER, faulthandler.dump_traceback, kwargs={"file": sys.stderr})
+
+    def dump() -> None:
+        with _stacks_file(out_dir, f"rank{rank}-worker{worker_id}") as file:
+            faulthandler.dump_traceback(file=file)
+
+    timer = threading.Timer(STALL_AFTER, dump)
     timer.daemon = True
     timer.start()
 
@@ -68,20 +93,27 @@ class Indexed(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
         return SAMPLES
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if HANG and os.environ["RANK"] == "0" and torch.utils.data.get_worker_info() is not None:
+            time.sleep(2 * HANG)  # past rank 1's timeout; ends by itself, so nothing is left behind
         x = torch.arange(4, dtype=torch.float32) * (i + 1) / SAMPLES
         return x, torch.tensor(float(i % 3)), i
 
 
 def _run_rank(out_dir: str) -> None:
     """One rank: DDP training from DataLoaderX, and the plain DataLoader's epochs beside it."""
-    _watch_stacks()
+    stacks = _stacks_file(out_dir, f"rank{os.environ['RANK']}")
+    # Each call re-arms the timer: the stacks are written only after STALL_AFTER s without one.
+    progress = functools.partial(faulthandler.dump_traceback_later, STALL_AFTER, file=stacks)
+    progress()
     dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)  # torchrun's environment
+    progress()
     rank = dist.get_rank()
     try:
         torch.manual_seed(rank)  # different initial weights: DDP must broadcast rank 0's
         module = torch.nn.Linear(4, 1)
         record: dict[str, Any] = {"initial": [p.detach().clone() for p in module.parameters()]}
         model = DistributedDataParallel(module)
+        progress()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         dataset = Indexed()
         sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)
@@ -90,7 +122,9 @@ def _run_rank(out_dir: str) -> None:
                 "batch_size": BATCH_SIZE,
                 "sampler": sampler,
                 "num_workers": num_workers,
-                "worker_init_fn": _watch_worker if num_workers else None,
+                "worker_init_fn": functools.partial(_watch_worker, out_dir, rank)
+                if num_workers
+                else None,
             }
             ours = DataLoaderX(dataset, **kwargs)
             plain = DataLoader(dataset, **kwargs)
@@ -103,14 +137,17 @@ def _run_rank(out_dir: str) -> None:
                     loss.backward()  # all-reduces the gradients with the other rank
                     optimizer.step()
                     trained.append((x, y, index))
+                    progress()
                 record[f"ours/{num_workers}/{epoch}"] = trained
                 record[f"plain/{num_workers}/{epoch}"] = list(plain)
+                progress()
             ours.close()
         record["final"] = [p.detach().clone() for p in model.parameters()]
         record["leaks"] = _leaks_after_close()
         torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         faulthandler.cancel_dump_traceback_later()
+        stacks.close()
         dist.destroy_process_group()
 
 
@@ -132,9 +169,22 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Both ranks' records, from one torchrun that every test of this module reads."""
     out_dir = tmp_path_factory.mktemp("ddp")
     returncode, out, err = torchrun("tests/test_distributed.py", str(out_dir))
-    # A rank's exception reaches torchrun's stderr with its traceback.
-    assert returncode == 0, f"exit status {returncode}\n{out}\n{err[-6000:]}"
+    assert returncode == 0, _failure(returncode, out, err, str(out_dir))
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD_SIZE)]
+
+
+def _failure(returncode: int, out: str, err: str, out_dir: str) -> str:
+    """What a failed run says: the stacks each stalled process wrote (a rank's file starts with
+    how long it had gone without progress), then torchrun's output (a rank's exception reaches its
+    stderr with the traceback)."""
+    parts = [f"exit status {returncode}"]
+    for path in sorted(glob.glob(os.path.join(out_dir, "stacks-*.txt"))):
+        with open(path) as file:
+            text = file.read()
+        if text:
+            parts.append(f"--- {os.path.basename(path)}:\n{text}")
+    parts += ["--- torchrun's stdout:", out, "--- torchrun's stderr, the end:", err[-4000:]]
+    return "\n".join(parts)
 
 
 def _indices(batches: list[Batch]) -> list[int]:
@@ -187,6 +237,41 @@ def test_ddp_kept_the_ranks_in_step(ranks: list[dict[str, Any]]) -> None:
 def test_no_rank_left_a_thread_or_a_worker(ranks: list[dict[str, Any]]) -> None:
     for rank, record in enumerate(ranks):
         assert record["leaks"] == [], f"rank {rank}"
+
+
+def test_a_hung_rank_fails_the_run_and_says_where(tmp_path: Any) -> None:
+    # Rank 0's workers hang in the first batch with workers: rank 1 times out in its collective,
+    # and the message shows rank 0's stacks, in the loop, and its workers', in the dataset.
+    returncode, out, err = torchrun(
+        "tests/test_distributed.py", str(tmp_path), PREFETCHX_TEST_HANG="5"
+    )
+    message = _failure(returncode, out, err, str(tmp_path))
+    assert returncode != 0, message
+    assert "Timed out waiting" in err, message
+    assert "this process stood still for at most" in err, message
+    rank0 = glob.glob(str(tmp_path / "stacks-rank0-pid*.txt"))
+    workers = glob.glob(str(tmp_path / "stacks-rank0-worker*-pid*.txt"))
+    assert len(rank0) == 1, message
+    assert workers, message
+    with open(rank0[0]) as file:
+        stacks = file.read()
+    assert "in _run_rank" in stacks, message
+    assert "prefetchx" in stacks, message  # waiting for the batch, inside DataLoaderX
+    for path in workers:
+        with open(path) as file:
+            assert "in __getitem__" in file.read(), message
+    assert f"--- {os.path.basename(rank0[0])}" in message
+
+
+def test_pauses_measures_how_long_this_process_stood_still() -> None:
+    # The process stops itself; a child resumes it a second later (and again, to be safe).
+    with Pauses() as pauses:
+        waker = subprocess.Popen(
+            ["sh", "-c", f"sleep 1; kill -CONT {os.getpid()}; sleep 2; kill -CONT {os.getpid()}"]
+        )
+        os.kill(os.getpid(), signal.SIGSTOP)
+    waker.wait()
+    assert 0.8 <= pauses.longest < 10, pauses.longest
 
 
 if __name__ == "__main__":
