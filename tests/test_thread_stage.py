@@ -493,20 +493,24 @@ def test_switching_every_other_item_loses_and_reorders_nothing(
     assert 5 < source.threads.count(me) < 35  # both made items
 
 
-class _ThenInline(Chooser):
-    """Threaded for one window, then inline for good."""
+def _then_inline(threaded_items: int) -> type[Chooser]:
+    """A chooser that runs the thread for ``threaded_items`` items after the first, then
+    makes the items inline for good."""
 
-    def start(self) -> tuple[bool, int]:
-        self.threaded = True
-        return True, 4
+    class ThenInline(Chooser):
+        def start(self) -> tuple[bool, int]:
+            self.threaded = True
+            return True, threaded_items
 
-    def window(self, period: float, means: Any) -> tuple[bool, int]:
-        self.threaded = False
-        return False, 16
+        def window(self, period: float, means: Any) -> tuple[bool, int]:
+            self.threaded = False
+            return False, 16
+
+    return ThenInline
 
 
 def test_close_while_inline_stops_the_parked_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("prefetchx._thread_stage.Chooser", _ThenInline)
+    monkeypatch.setattr("prefetchx._thread_stage.Chooser", _then_inline(4))
     stage = ThreadStage(_gen(10**6), max_prefetch=2)
     for _ in range(100):
         next(stage)
@@ -520,18 +524,6 @@ def test_adaptive_off_keeps_the_thread() -> None:
     source = Flaky(100)
     assert list(ThreadStage(source, 2, adaptive=False)) == list(range(100))
     assert set(source.threads[1:]) == {"prefetchx-thread"}
-
-
-class _ThenInlineAt40(Chooser):
-    """Threaded for the first 40 items, then inline."""
-
-    def start(self) -> tuple[bool, int]:
-        self.threaded = True
-        return True, 39
-
-    def window(self, period: float, means: Any) -> tuple[bool, int]:
-        self.threaded = False
-        return False, 16
 
 
 # --- the stall meter -----------------------------------------------------------------------------
@@ -694,7 +686,7 @@ def test_a_real_epoch_files_its_steps_by_who_made_the_next_batch(
 ) -> None:
     # Long steps with the thread on, then steps with it parked: every batch taken from
     # the queue files the step before it as threaded, and the rest are inline.
-    monkeypatch.setattr("prefetchx._thread_stage.Chooser", _ThenInlineAt40)
+    monkeypatch.setattr("prefetchx._thread_stage.Chooser", _then_inline(39))
 
     def step_for(i: int) -> None:
         if i < 40:
