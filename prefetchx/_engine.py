@@ -80,7 +80,7 @@ class Channel:
     Items travel through a `queue.SimpleQueue` (one C-level lock per put and get, where
     `queue.Queue` takes a Python-level condition twice); at most ``capacity`` wait at a time. A
     producer that finds the channel full sleeps until the consumer has taken it down to a
-    low-water mark (half of what it holds, rounded down), so it wakes once for several items
+    low-water mark (fewer than half of ``capacity`` left), so it wakes once for several items
     rather than once per item, and makes them back to back. Every wait is timed and re-checks
     the stop event, so a stop, a Ctrl-C or a producer that died is noticed within
     `POLL_INTERVAL`.
@@ -147,39 +147,43 @@ class Channel:
         Returns:
             The next item, a `Signal` or a `Failure`.
         """
-        items = self._items
         try:
-            value = items.get_nowait()  # the common case, without a timed wait
+            value = self._items.get_nowait()  # the common case, without a timed wait
         except queue.Empty:
-            value = self._wait_for_item(producer, stop)
+            return self._wait_for_item(producer, stop)
+        self._took_one()
+        return value
+
+    def _took_one(self) -> None:
         self._taken += 1
         if self._waiting and self._put - self._taken <= self._low:
             self._waiting = False
             self._room.put(None)  # the producer sleeps on a full channel: room enough now
-        return value
 
     def _wait_for_item(self, producer: threading.Thread, stop: threading.Event) -> object:
         items = self._items
         while True:
             try:
-                return items.get(timeout=POLL_INTERVAL)
+                value = items.get(timeout=POLL_INTERVAL)
             except queue.Empty:
                 if producer.is_alive():
                     continue
-            # The producer has ended: whatever it put before ending is in the channel now.
-            try:
-                return items.get_nowait()
-            except queue.Empty:
-                self._taken -= 1  # nothing taken: `get` counts one
-                if stop.is_set():
-                    return Signal.STOPPED
-                return Failure(
-                    RuntimeError(
-                        f"prefetchx producer thread {producer.name!r} ended "
-                        "without delivering a batch, the end of the epoch or "
-                        "an error"
-                    )
-                )
+                # The producer has ended: whatever it put before ending is in the channel now.
+                try:
+                    value = items.get_nowait()
+                except queue.Empty:
+                    break
+            self._took_one()
+            return value
+        if stop.is_set():
+            return Signal.STOPPED
+        return Failure(
+            RuntimeError(
+                f"prefetchx producer thread {producer.name!r} ended "
+                "without delivering a batch, the end of the epoch or "
+                "an error"
+            )
+        )
 
     def wake_producer(self) -> None:
         """Wake a producer waiting for room, so that it sees a stop at once."""

@@ -436,7 +436,7 @@ def test_a_state_without_a_check_still_resumes_past_a_deep_lookahead() -> None:
     it = iter(loader)
     got = [next(it).tolist() for _ in range(3)]
     # The thread fills its queue (8) and holds one more: 9 batches ahead, at least 7 of them
-    # past the loop's 3 (it makes more only once the loop takes the queue down to half).
+    # past the loop's 3 (it makes more only once the loop leaves fewer than half).
     assert wait_until(lambda: dataset.produced >= 2 * 10)
     state = loader.state_dict()
     it.close()
