@@ -114,6 +114,15 @@ class Channel:
         """Whether the producer would have to wait to put."""
         return self._put - self._taken >= self.capacity
 
+    @property
+    def producer_waits(self) -> bool:
+        """Whether the producer is waiting for room now, with its next item in hand.
+
+        Not the same as `full`: once it waits, the producer goes on only at the low-water mark,
+        so it may go on waiting with fewer than ``capacity`` items left.
+        """
+        return self._waiting
+
     def put(self, item: object, stop: threading.Event) -> bool:
         """Put ``item``, waiting for room, until ``stop`` is set.
 

@@ -322,6 +322,24 @@ def test_a_channel_reports_a_producer_that_died_silently() -> None:
     assert "prefetchx-test-dead" in str(value.exc)
 
 
+def test_a_producer_waiting_for_room_goes_on_only_at_the_low_water_mark() -> None:
+    q, stop = Channel(4), threading.Event()  # low-water mark: 1 item left
+    producer = threading.Thread(target=lambda: [q.put(i, stop) for i in range(5)])
+    producer.start()
+    assert wait_until(lambda: q.producer_waits)
+    assert q.full()
+    assert [q.get(producer, stop) for _ in range(2)] == [0, 1]
+    time.sleep(0.05)
+    assert q.producer_waits  # 2 left: no longer full, still waiting
+    assert not q.full()
+    assert q.qsize() == 2
+    assert q.get(producer, stop) == 2  # 1 left: the producer goes on
+    producer.join(10)
+    assert not producer.is_alive()
+    assert not q.producer_waits
+    assert [q.get(producer, stop) for _ in range(2)] == [3, 4]
+
+
 # --- warnings ------------------------------------------------------------------------------------
 
 
