@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
@@ -12,7 +13,14 @@ from torch.utils.data import DataLoader
 
 from prefetchx import _engine
 from prefetchx._iterator import Epoch, PrefetchIterator, length_of
-from prefetchx._loader import PREFETCH_DEFAULTS
+from prefetchx._loader import (
+    ACCELERATE_SKIP_DROPS_STAGES,
+    PREFETCH_DEFAULTS,
+    DataLoaderX,
+    _outside_accelerate,
+    _read_by_accelerates_skip,
+    accelerate_preparing,
+)
 from prefetchx._pipeline import Pipeline
 from prefetchx._stats import EpochStats
 from prefetchx._thread_stage import settle
@@ -89,6 +97,8 @@ class Prefetcher(Generic[T]):
         self._latest: Epoch | None = None
         self._live: weakref.WeakSet[PrefetchIterator[T]] = weakref.WeakSet()
         stages = {name: value for name, value in locals().items() if name in PREFETCH_DEFAULTS}
+        self._stages = stages
+        """The stage arguments, for a copy over another iterable (a loader skipped into)."""
         self._pipeline = Pipeline(**stages)
         self._accelerates: Any = None
         """accelerate's loader, copied, with the stages beneath it; None for any other iterable."""
@@ -130,6 +140,16 @@ class Prefetcher(Generic[T]):
             wrapped = self.__dict__.get("iterable")
         if name.startswith("_") or wrapped is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        if (
+            name == "multiprocessing_context"
+            and not isinstance(wrapped, DataLoaderX)  # which says so itself, as does one inside
+            and self.__dict__.get("_accelerates") is None  # accelerate's loader
+            and _read_by_accelerates_skip()
+            and not getattr(accelerate_preparing, "active", False)
+        ):
+            # accelerate's skip_first_batches rebuilds what it is given as a plain DataLoader
+            # from the attributes read here: the stages cannot come along.
+            warnings.warn(ACCELERATE_SKIP_DROPS_STAGES, stacklevel=_outside_accelerate())
         return getattr(wrapped, name)
 
     @property

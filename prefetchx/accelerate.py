@@ -146,9 +146,10 @@ def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
 
     accelerate rebuilds the loader to skip the first ``num_batches`` at the sampler, without
     loading them, as a plain `DataLoader`; this puts the same stages beneath the loader it
-    returns. Any other loader gets accelerate's result unchanged. accelerate's function itself,
-    and ``accelerator.skip_first_batches``, warn when given a loader with the stages, and return
-    one without them.
+    returns. A `Prefetcher` over any other loader gives a `Prefetcher` with the same arguments
+    over that loader skipped into. Any other loader gets accelerate's result unchanged.
+    accelerate's function itself, and ``accelerator.skip_first_batches``, warn when given a
+    loader with the stages, and return one without them.
 
     The Hugging Face Trainer calls accelerate's function from its own module on a mid-epoch
     resume: ``transformers.trainer.skip_first_batches = prefetchx.accelerate.skip_first_batches``
@@ -161,7 +162,11 @@ def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
     Returns:
         A loader that yields the batches after the first ``num_batches``.
     """
-    if isinstance(dataloader, Prefetcher) and dataloader._accelerates is not None:
+    if isinstance(dataloader, Prefetcher):
+        if dataloader._accelerates is None:  # over any other loader: the same stages over its skip
+            return Prefetcher(
+                skip_first_batches(dataloader.iterable, num_batches), **dataloader._stages
+            )
         dataloader = dataloader._accelerates  # its copy of accelerate's loader, with the stages
     with _preparing():
         skipped = accelerate_data_loader.skip_first_batches(dataloader, num_batches=num_batches)

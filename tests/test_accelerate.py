@@ -265,16 +265,20 @@ def test_save_state_and_load_state_as_with_accelerates_loader(tmp_path: Path) ->
 def _to_skip(path: str, accelerator: Any) -> tuple[Any, Any]:
     """accelerate's own loader, and a path's prefetching one, each shuffled from seed 0."""
     torch.manual_seed(0)
-    if path == "unprepared":
+    if path in ("unprepared", "Prefetcher-unprepared"):
         own: Any = DataLoader(_images(), batch_size=4, shuffle=True)
         torch.manual_seed(0)
-        return own, DataLoaderX(_images(), batch_size=4, shuffle=True, **STAGES)
+        if path == "unprepared":
+            return own, DataLoaderX(_images(), batch_size=4, shuffle=True, **STAGES)
+        return own, Prefetcher(DataLoader(_images(), batch_size=4, shuffle=True), **STAGES)
     own = accelerator.prepare(DataLoader(_images(), batch_size=4, shuffle=True))
     torch.manual_seed(0)
     return own, _prepared(path, accelerator, batch_size=4, shuffle=True)
 
 
-@pytest.mark.parametrize("path", ["prepare", "add_stages", "Prefetcher", "unprepared"])
+@pytest.mark.parametrize(
+    "path", ["prepare", "add_stages", "Prefetcher", "unprepared", "Prefetcher-unprepared"]
+)
 def test_skip_first_batches_keeps_the_stages(path: str) -> None:
     accelerator = _accelerator()
     expected_loader, loader = _to_skip(path, accelerator)
@@ -295,7 +299,9 @@ def test_skip_first_batches_keeps_the_stages(path: str) -> None:
     assert all(normalized for *_, normalized in got)
 
 
-@pytest.mark.parametrize("path", ["prepare", "add_stages", "Prefetcher", "unprepared"])
+@pytest.mark.parametrize(
+    "path", ["prepare", "add_stages", "Prefetcher", "unprepared", "Prefetcher-unprepared"]
+)
 def test_accelerators_skip_first_batches_warns_at_once_with_the_fix(path: str) -> None:
     # accelerate's skip_first_batches rebuilds the loader as its own class over a new plain
     # DataLoader; nothing on the loader can carry the stages across, so it must say so at once.
