@@ -465,7 +465,7 @@ def test_the_plot_of_the_recorded_run_has_no_text_overlapping() -> None:
     fig = plot.figure(run)
     FigureCanvasAgg(fig).draw()
     assert run["meta"]["commit"] in fig.get_suptitle()
-    assert "recorded before paired rounds" in fig.get_suptitle()  # medians only, no whiskers
+    assert "whiskers: the lowest and highest round" in fig.get_suptitle()  # a paired run
     (suptitle,) = [t for t in fig.findobj(Text) if t.get_text() == fig.get_suptitle()]
     heads = [suptitle.get_window_extent()] + [ax.title.get_window_extent() for ax in fig.axes]
     for i, head in enumerate(heads):
