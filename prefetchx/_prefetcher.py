@@ -142,8 +142,9 @@ class Prefetcher(Generic[T]):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         if (
             name == "multiprocessing_context"
-            and not isinstance(wrapped, DataLoaderX)  # which says so itself, as does one inside
-            and self.__dict__.get("_accelerates") is None  # accelerate's loader
+            # A DataLoaderX says so itself, also the one beneath accelerate's loader.
+            and not isinstance(wrapped, DataLoaderX)
+            and self.__dict__.get("_accelerates") is None
             and _read_by_accelerates_skip()
             and not getattr(accelerate_preparing, "active", False)
         ):
