@@ -79,7 +79,6 @@ class PrefetchIterator(Iterator[T], Generic[T]):
         self._keep_source = keep_source
         self._recorder = recorder  # the DataLoader iterator's index sampler, for _reset
         self._length: int | None = None
-        self._limit: UpTo[T] | None = None
         self._batches = length  # the source's len() when the source itself has none
         self._start(epoch)
 
@@ -97,11 +96,8 @@ class PrefetchIterator(Iterator[T], Generic[T]):
         # advances its own epoch), is the loop's own, made only if the loop makes it.
         length = self._batches if self._batches is not None else length_of(self._source)
         if length is not None and epoch.position is not None:
-            length -= epoch.position.skipped  # a resumed epoch's sampler skips these
-        self._limit = None if length is None else UpTo(feed, length)
-        stage = self._pipeline.build(
-            feed if self._limit is None else self._limit, epoch.stats, reapable=reapable
-        )
+            length = max(0, length - epoch.position.skipped)  # a resumed sampler skips these
+        stage = self._pipeline.build(feed, epoch.stats, reapable=reapable, limit=length)
         epoch.tally = stage.tally
         self._stage: Stage = stage
         self._next: Callable[[], T] = stage.__next__
@@ -110,22 +106,6 @@ class PrefetchIterator(Iterator[T], Generic[T]):
         return self
 
     def __next__(self) -> T:
-        try:
-            return self._next()
-        except StopIteration:
-            limit = self._limit
-            if limit is None or not limit.reached:
-                raise  # the source's own end, or closed
-        return self._past_length(limit)
-
-    def _past_length(self, limit: UpTo[T]) -> T:
-        """After ``len()`` batches: the next calls of the source are made in the caller's thread,
-        through the same stages without a thread."""
-        self._limit = None
-        feed = limit.source
-        stage = self._pipeline.without_thread().build(feed, self.epoch.stats)
-        self.epoch.tally = stage.tally  # counts on from the same samples
-        self._stage, self._next = stage, stage.__next__
         return self._next()
 
     def __len__(self) -> int:
@@ -177,7 +157,6 @@ class PrefetchIterator(Iterator[T], Generic[T]):
         Idempotent; ``next()`` raises `StopIteration` afterwards. The DataLoader iterator is
         released, so its workers shut down, unless the loader keeps it for persistent workers.
         """
-        self._limit = None
         self._stage.close()
         if not self._keep_source and self._source is not None:
             try:
@@ -223,24 +202,6 @@ class PrefetchIterator(Iterator[T], Generic[T]):
     def __getstate__(self) -> Any:
         # As DataLoader's own iterators: an iterator with a thread and workers cannot be pickled.
         raise NotImplementedError("{} cannot be pickled", type(self).__name__)
-
-
-class UpTo(Iterator[T]):
-    """At most ``length`` calls of ``source`` (an error counts as one), then `StopIteration`
-    without calling it."""
-
-    def __init__(self, source: Iterator[T], length: int) -> None:
-        self.source = source
-        self._left = length
-        self.reached = False
-        """Whether it ended at ``length``, not at the source's own end."""
-
-    def __next__(self) -> T:
-        if self._left <= 0:
-            self.reached = True
-            raise StopIteration
-        self._left -= 1
-        return next(self.source)
 
 
 def length_of(source: Any) -> int | None:

@@ -68,16 +68,28 @@ class Pipeline:
                     self._target = with_index(self.device)
         return self._target
 
-    def build(self, source: Iterator[Any], stats: EpochStats, *, reapable: bool = False) -> Stage:
+    def build(
+        self,
+        source: Iterator[Any],
+        stats: EpochStats,
+        *,
+        reapable: bool = False,
+        limit: int | None = None,
+    ) -> Stage:
         """The stages over ``source``: a thread, then the device if there is one.
 
-        ``reapable``: nothing else uses ``source`` (see `ThreadStage`).
+        ``reapable`` and ``limit``: see `ThreadStage`.
         """
         if self.target.type == "cpu":
             if self.normalize.active:  # in the thread, so it overlaps the caller's step
                 source = map(self._normalize_input, source)
             return ThreadStage(
-                source, self.max_prefetch, stats=stats, reapable=reapable, _memory=self.memory
+                source,
+                self.max_prefetch,
+                stats=stats,
+                reapable=reapable,
+                limit=limit,
+                _memory=self.memory,
             )
         streams = self._side_streams()
         if streams is not None and self.pin_host:
@@ -91,6 +103,7 @@ class Pipeline:
             adaptive=False,
             stats=stats,
             reapable=reapable,
+            limit=limit,
         )
         return DeviceStage(
             thread,
@@ -102,13 +115,6 @@ class Pipeline:
             device_prefetch=self.device_prefetch,
             non_blocking=self.non_blocking,
         )
-
-    def without_thread(self) -> Pipeline:
-        """The same stages, device and side stream, with batches made in the caller's thread."""
-        inline = object.__new__(Pipeline)
-        inline.__dict__.update(self.__dict__)
-        inline.max_prefetch = 0
-        return inline
 
     def _normalize_input(self, batch: Any) -> Any:
         return map_input(batch, self.input_key, self.normalize)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -94,12 +95,16 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
         device: torch.device | None,
         stats: EpochStats,
         reapable: bool,
+        allowed: int,
     ) -> None:
         self.stop_event = threading.Event()
         self.pause_requested = threading.Event()
         self.resume_event = threading.Event()
         self.calls = 0
-        """Calls of the source started, for the reaper."""
+        """Calls of the source started, for the reaper and the limit."""
+        self.allowed = allowed
+        """The thread parks rather than start a call once ``calls`` reaches this (see the
+        stage's ``limit``); set by the consumer before it starts or resumes the thread."""
         self.in_source = False
         """Whether the thread is inside a call of the source now."""
         self.reapable = reapable
@@ -141,7 +146,7 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
                 # this thread when num_workers=0) must run on the target device.
                 set_thread_device(self._device)
             while not stop.is_set():
-                if self.pause_requested.is_set():
+                if self.pause_requested.is_set() or self.calls >= self.allowed:
                     if not self._park():
                         return
                     continue
@@ -307,6 +312,11 @@ class ThreadStage(Iterator[T], Generic[T]):
             may be interrupted, so that the thread ends and releases the source (a DataLoader
             iterator waiting for a worker that never answers); only for sources nothing else
             uses.
+        limit: Calls of ``source`` the thread may make, counting those the caller made: the
+            thread never makes a call past it, and from there on the caller makes every call
+            itself, in its own thread. A DataLoader iterator's ``len()``: what the source does
+            at the call that ends an epoch (a sampler's last draw from the loader's generator)
+            is then the loop's own, made only if the loop makes it. ``None``: no limit.
 
     Examples:
         >>> with ThreadStage(iter(range(3)), max_prefetch=2) as stage:
@@ -324,9 +334,12 @@ class ThreadStage(Iterator[T], Generic[T]):
         adaptive: bool = True,
         stats: EpochStats | None = None,
         reapable: bool = False,
+        limit: int | None = None,
         _memory: Memory | None = None,
     ) -> None:
         self.max_prefetch = check_int("max_prefetch", max_prefetch, minimum=0)
+        self._limit = sys.maxsize if limit is None else check_int("limit", limit, minimum=0)
+        self._made = 0  # calls of the source made in the caller's thread
         self._reapable = reapable
         self.stats = stats if stats is not None else EpochStats()
         self.tally = Tally(self.stats.wait)
@@ -357,8 +370,8 @@ class ThreadStage(Iterator[T], Generic[T]):
 
     def __next__(self) -> T:
         # The hot path: a loop with no step work pays for every line here, so a batch costs two
-        # clock reads and two list appends; the rest happens at a checkpoint every
-        # `ADAPT_WINDOW` batches.
+        # clock reads and two list appends; the rest happens at a checkpoint every `WINDOW`
+        # batches.
         asked_at = perf_counter()
         previous = self._returned_at
         if previous is not None:
@@ -370,6 +383,7 @@ class ThreadStage(Iterator[T], Generic[T]):
             source = self._source
             if source is None:
                 raise StopIteration
+            self._made += 1
             try:
                 value = next(source)
             except StopIteration:
@@ -420,6 +434,7 @@ class ThreadStage(Iterator[T], Generic[T]):
         if source is None:
             raise StopIteration
         value: Any
+        self._made += 1
         try:
             value = next(source)
         except StopIteration:
@@ -446,11 +461,23 @@ class ThreadStage(Iterator[T], Generic[T]):
             self._start()
 
     def _start(self) -> None:
-        """Start the thread; it takes over the source after the items the caller has made."""
+        """Start the thread; it takes over the source after the items the caller has made.
+
+        Not past the limit: the caller makes every item from there on.
+        """
         self._to_start = False
         assert self._source is not None  # started only while the epoch runs
+        if self._made >= self._limit:
+            self._chooser = None
+            return
         producer = _Producer(
-            self._source, self.max_prefetch, self._name, self._device, self.stats, self._reapable
+            self._source,
+            self.max_prefetch,
+            self._name,
+            self._device,
+            self.stats,
+            self._reapable,
+            allowed=self._limit - self._made,
         )
         self._producer = producer
         # Runs on close(), on garbage collection of this handle and at interpreter exit; it
@@ -524,8 +551,11 @@ class ThreadStage(Iterator[T], Generic[T]):
             producer.pause_requested.set()  # the thread answers with Signal.PAUSED, in order
         elif producer is None:
             self._start()
+        elif self._made + producer.calls >= self._limit:
+            self._chooser = None  # past the limit the caller makes every item: nothing to decide
         else:
             self._inline = False
+            producer.allowed = self._limit - self._made  # it counts its own calls against it
             producer.resume()
 
     def abandon(self) -> None:

@@ -771,3 +771,69 @@ def test_tally_is_not_ended_by_close(max_prefetch: int) -> None:
     stage.close()
     assert list(stage) == []
     assert (stage.tally.count, stage.tally.ended) == (1, False)
+
+
+class _Callers:
+    """A source that notes which thread made each call; ``fail_at`` raises at that call."""
+
+    def __init__(self, n: int, fail_at: int = -1) -> None:
+        self.n, self.fail_at = n, fail_at
+        self.callers: list[str] = []
+
+    def __iter__(self) -> _Callers:
+        return self
+
+    def __next__(self) -> int:
+        i = len(self.callers)
+        if i >= self.n:
+            raise StopIteration
+        self.callers.append(threading.current_thread().name)
+        if i == self.fail_at:
+            raise ValueError(i)
+        return i
+
+
+def _drain(stage: ThreadStage[int]) -> list[Any]:
+    got: list[Any] = []
+    while True:
+        try:
+            got.append(next(stage))
+        except StopIteration:
+            return got
+        except ValueError as exc:
+            got.append(f"error {exc}")
+
+
+@pytest.mark.parametrize("limit", [0, 1, 2, 5, 9, 12])
+def test_the_thread_never_calls_the_source_past_the_limit(limit: int) -> None:
+    # Over an epoch of 9 batches with len() 5 (a batch sampler's len() is only a promise), the
+    # thread makes at most 5 calls, the first one included; the caller makes the rest, and the
+    # error at call 3 counts as one call.
+    source = _Callers(9, fail_at=3)
+    stage = ThreadStage(source, max_prefetch=2, adaptive=False, limit=limit, name="worker")
+    assert _drain(stage) == [0, 1, 2, "error 3", 4, 5, 6, 7, 8]
+    threaded = [i for i, name in enumerate(source.callers) if name == "worker"]
+    assert all(i < limit for i in threaded), source.callers
+    assert source.callers[max(1, limit) :] == ["MainThread"] * (9 - max(1, limit))
+    assert not stage.producer_alive
+
+
+@pytest.mark.parametrize("limit", [3, 5, 6, 7, 12])
+def test_a_switching_stage_gives_the_thread_only_what_is_left_of_the_limit(
+    monkeypatch: pytest.MonkeyPatch, limit: int
+) -> None:
+    # The thread and the caller take turns every other item: the calls each makes count
+    # against one limit, and past it the thread is never resumed.
+    monkeypatch.setattr("prefetchx._thread_stage.Chooser", Switching)
+    source = _Callers(12)
+    stage = ThreadStage(source, max_prefetch=2, limit=limit, name="worker")
+    assert _drain(stage) == list(range(12))
+    threaded = [i for i, name in enumerate(source.callers) if name == "worker"]
+    assert threaded, source.callers  # the thread did take turns
+    assert max(threaded) < limit, source.callers
+    assert "worker" not in source.callers[limit:]
+
+
+def test_a_limit_must_be_a_count() -> None:
+    with pytest.raises(ValueError, match="limit"):
+        ThreadStage(iter(range(3)), limit=-1)
