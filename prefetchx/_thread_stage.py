@@ -103,7 +103,7 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
         self.calls = 0
         """Calls of the source started, for the reaper and the limit."""
         self.allowed = allowed
-        """The thread parks rather than start a call once ``calls`` reaches this (see the
+        """Once ``calls`` reaches this, the thread hands the source back and ends (see the
         stage's ``limit``); set by the consumer before it starts or resumes the thread."""
         self.in_source = False
         """Whether the thread is inside a call of the source now."""
@@ -146,7 +146,11 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
                 # this thread when num_workers=0) must run on the target device.
                 set_thread_device(self._device)
             while not stop.is_set():
-                if self.pause_requested.is_set() or self.calls >= self.allowed:
+                if self.calls >= self.allowed:
+                    # Past the limit the caller makes every call: hand the source back for good.
+                    q.put(Signal.PAUSED, stop)
+                    return
+                if self.pause_requested.is_set():
                     if not self._park():
                         return
                     continue
@@ -313,8 +317,8 @@ class ThreadStage(Iterator[T], Generic[T]):
             iterator waiting for a worker that never answers); only for sources nothing else
             uses.
         limit: Calls of ``source`` the thread may make, counting those the caller made: the
-            thread never makes a call past it, and from there on the caller makes every call
-            itself, in its own thread. A DataLoader iterator's ``len()``: what the source does
+            thread never makes a call past it; it ends there, and the caller makes every later
+            call itself, in its own thread. A DataLoader iterator's ``len()``: what the source does
             at the call that ends an epoch (a sampler's last draw from the loader's generator)
             is then the loop's own, made only if the loop makes it. ``None``: no limit.
 

@@ -837,3 +837,16 @@ def test_a_switching_stage_gives_the_thread_only_what_is_left_of_the_limit(
 def test_a_limit_must_be_a_count() -> None:
     with pytest.raises(ValueError, match="limit"):
         ThreadStage(iter(range(3)), limit=-1)
+
+
+def test_the_thread_ends_once_the_limit_is_spent() -> None:
+    # A loop that takes len() batches and never asks again (Lightning's) must not be left with
+    # a thread waiting beside a finished epoch.
+    source = _Callers(9)
+    stage = ThreadStage(source, max_prefetch=2, adaptive=False, limit=5, name="worker")
+    assert [next(stage) for _ in range(5)] == list(range(5))
+    assert wait_until(lambda: not stage.producer_alive)
+    assert source.callers == ["MainThread"] + ["worker"] * 4
+    assert next(stage) == 5  # and the next call is the caller's own
+    assert source.callers[5] == "MainThread"
+    stage.close()
