@@ -46,7 +46,8 @@ class Signal(enum.Enum):
     """The producer was stopped before the end: the consumer raises `StopIteration`."""
 
     PAUSED = "paused"
-    """The producer has parked at the consumer's request: the consumer now owns the source."""
+    """The producer has parked at the consumer's request, or ended at its limit: the consumer
+    now owns the source."""
 
     NOT_READY = "not ready"
     """Nothing is waiting yet (an answer to a non-blocking take, never put on a queue)."""

@@ -504,7 +504,7 @@ class ThreadStage(Iterator[T], Generic[T]):
                 value = value.item
             if value is Signal.PAUSED:
                 self._pausing = False
-                self._inline = True  # the thread parked: the caller makes the next one itself
+                self._inline = True  # parked, or ended at its limit: the caller makes the next
                 return self._make_here()
             if value.__class__ is Signal:  # END, or STOPPED after a close
                 self._end(value is Signal.END)

@@ -793,17 +793,6 @@ class _Callers:
         return i
 
 
-def _drain(stage: ThreadStage[int]) -> list[Any]:
-    got: list[Any] = []
-    while True:
-        try:
-            got.append(next(stage))
-        except StopIteration:
-            return got
-        except ValueError as exc:
-            got.append(f"error {exc}")
-
-
 @pytest.mark.parametrize("limit", [0, 1, 2, 5, 9, 12])
 def test_the_thread_never_calls_the_source_past_the_limit(limit: int) -> None:
     # Over an epoch of 9 batches with len() 5 (a batch sampler's len() is only a promise), the
@@ -811,7 +800,7 @@ def test_the_thread_never_calls_the_source_past_the_limit(limit: int) -> None:
     # error at call 3 counts as one call.
     source = _Callers(9, fail_at=3)
     stage = ThreadStage(source, max_prefetch=2, adaptive=False, limit=limit, name="worker")
-    assert _drain(stage) == [0, 1, 2, "error 3", 4, 5, 6, 7, 8]
+    assert outcomes(stage) == [(("ValueError", (3,)), []) if i == 3 else (i, []) for i in range(9)]
     threaded = [i for i, name in enumerate(source.callers) if name == "worker"]
     assert all(i < limit for i in threaded), source.callers
     assert source.callers[max(1, limit) :] == ["MainThread"] * (9 - max(1, limit))
@@ -827,7 +816,7 @@ def test_a_switching_stage_gives_the_thread_only_what_is_left_of_the_limit(
     monkeypatch.setattr("prefetchx._thread_stage.Chooser", Switching)
     source = _Callers(12)
     stage = ThreadStage(source, max_prefetch=2, limit=limit, name="worker")
-    assert _drain(stage) == list(range(12))
+    assert outcomes(stage) == [(i, []) for i in range(12)]
     threaded = [i for i, name in enumerate(source.callers) if name == "worker"]
     assert threaded, source.callers  # the thread did take turns
     assert max(threaded) < limit, source.callers
