@@ -64,6 +64,9 @@ RAMP_LEVELS = 8
 """The ``ramp`` shape's steps take this many distinct costs (each a calibrated `Work`)."""
 HANDOFF_BATCHES = {False: 20000, True: 2000}
 """Batches of the hand-off loop, a full run's and a quick one's."""
+DEEPER = (4, 8, 32)
+"""Queue depths the hand-off is also measured at, beyond the run's ``--max-prefetch``: a deeper
+queue lets the thread make more batches for each wake-up (see `prefetchx._engine.Channel`)."""
 ARM_ORDER = ("plain", "prefetchx", "recipe", "inline", "floor")
 OVERHEAD_MS = {0: 0.03, 2: 0.15}
 """A DataLoader's own cost per batch, roughly, without and with workers: sizes the epochs."""
@@ -258,12 +261,15 @@ def measure_handoff(
 ) -> dict[str, Any]:
     """What a threaded hand-off costs: a loop with no work at all over plain DataLoader, the
     thread stage with its switch off, and the floor (a run-ahead SimpleQueue thread), in paired
-    rounds; per arm, the time per batch above plain's and the context switches per batch."""
+    rounds; per arm, the time per batch above plain's and the context switches per batch. The
+    thread stage is also measured at the `DEEPER` depths, in the same rounds."""
     dataset = WorkDataset(batches, Work("sleep", 0.0))
+    deeper = [d for d in DEEPER if d > max_prefetch]
     loaders: dict[str, Iterable[Any]] = {
         "plain": DataLoader(dataset, batch_size=None),
         "thread": ForcedThread(DataLoader(dataset, batch_size=None), max_prefetch),
         "floor": ARMS["floor"](dataset, max_prefetch, {"batch_size": None}),
+        **{f"depth {d}": ForcedThread(DataLoader(dataset, batch_size=None), d) for d in deeper},
     }
     switches: dict[str, list[float]] = {arm: [] for arm in loaders}
 
@@ -287,13 +293,28 @@ def measure_handoff(
         )
         for arm in loaders
     }
+    per_batch = {arm: statistics.median(v) for arm, v in switches.items()}
     floor = extra["floor"]
+
+    def over_floor(us: float) -> float | None:
+        return us / floor if floor > 0 else None
+
+    main_arms = ("plain", "thread", "floor")
     return {
         "batches": batches,
+        "max_prefetch": max_prefetch,
         "epochs_s": times,
-        "extra_us_per_batch": extra,
-        "switches_per_batch": {arm: statistics.median(v) for arm, v in switches.items()},
-        "thread_over_floor": extra["thread"] / floor if floor > 0 else None,
+        "extra_us_per_batch": {arm: extra[arm] for arm in main_arms},
+        "switches_per_batch": {arm: per_batch[arm] for arm in main_arms},
+        "thread_over_floor": over_floor(extra["thread"]),
+        "depths": {
+            str(d): {
+                "extra_us_per_batch": extra[f"depth {d}"],
+                "switches_per_batch": per_batch[f"depth {d}"],
+                "over_floor": over_floor(extra[f"depth {d}"]),
+            }
+            for d in deeper
+        },
     }
 
 
@@ -333,14 +354,20 @@ def summarize(cells: list[dict[str, Any]], handoff: dict[str, Any]) -> dict[str,
             "of_best": share,
             "below_0.97": sum(1 for _, s in winning if s < 0.97),
         }
-    summary["handoff"] = {
+    summary["handoff"] = summarize_handoff(handoff)
+    return summary
+
+
+def summarize_handoff(handoff: dict[str, Any]) -> dict[str, Any]:
+    """The hand-off's figures for the summary."""
+    return {
         "thread_us": handoff["extra_us_per_batch"]["thread"],
         "floor_us": handoff["extra_us_per_batch"]["floor"],
         "thread_over_floor": handoff["thread_over_floor"],
         "thread_switches": handoff["switches_per_batch"]["thread"],
         "floor_switches": handoff["switches_per_batch"]["floor"],
+        "depths": {d: m["over_floor"] for d, m in handoff["depths"].items()},
     }
-    return summary
 
 
 SUMMARY_NOTES = (
@@ -351,7 +378,8 @@ SUMMARY_NOTES = (
     "hand-off: a loop with no work and no workers, timed apart: the time per batch above plain's "
     "(paired by round) and the context switches per batch of the thread stage with its inline "
     "switch off (every batch handed over by the thread) and of the floor; the first over the "
-    "second (target <= 1.5)",
+    "second (target <= 1.5); then the same at deeper queues, where the thread makes more "
+    "batches for each wake-up",
 )
 
 
@@ -386,8 +414,54 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"({h['floor_switches']:.2f}): {over}"
         )
     )
+    if h["depths"]:
+        lines.append(wrap("hand-off, deeper queues, over the floor's: " + _by_depth(h["depths"])))
     lines.append("What the summary lines mean:")
     lines += [wrap(note) for note in SUMMARY_NOTES]
+    return "\n".join(lines)
+
+
+def _by_depth(depths: dict[str, float | None]) -> str:
+    return ", ".join(
+        f"max_prefetch={d} {'-' if over is None else f'{over:.2f}x'}" for d, over in depths.items()
+    )
+
+
+def format_handoff(handoff: dict[str, Any]) -> str:
+    """The hand-off alone (``--handoff-only``), each line with what it means."""
+    summary = summarize_handoff(handoff)
+    lines = [
+        f"Hand-off: {handoff['batches']} batches with no work and no workers, "
+        f"{len(handoff['epochs_s']['plain'])} paired rounds"
+    ]
+    lines.append(
+        wrap(
+            f"max_prefetch={handoff['max_prefetch']}: the thread stage "
+            f"{summary['thread_us']:.1f} us a batch above plain ({summary['thread_switches']:.2f}"
+            f" switches a batch), the floor {summary['floor_us']:.1f} us "
+            f"({summary['floor_switches']:.2f})"
+        )
+    )
+    for d, m in handoff["depths"].items():
+        lines.append(
+            wrap(
+                f"max_prefetch={d}: the thread stage {m['extra_us_per_batch']:.1f} us a batch "
+                f"above plain ({m['switches_per_batch']:.2f} switches a batch)"
+            )
+        )
+    lines.append(
+        wrap(
+            f"over the floor's: max_prefetch={handoff['max_prefetch']} "
+            + (
+                "-"
+                if summary["thread_over_floor"] is None
+                else f"{summary['thread_over_floor']:.2f}x"
+            )
+            + (", " + _by_depth(summary["depths"]) if summary["depths"] else "")
+            + " (target <= 1.5 at the default depth)"
+        )
+    )
+    lines.append(wrap(SUMMARY_NOTES[-1]))
     return "\n".join(lines)
 
 
@@ -423,6 +497,11 @@ def parser() -> argparse.ArgumentParser:
         metavar="MS",
         help="the plain arm's epoch length to aim for (default 250; --quick: 20)",
     )
+    p.add_argument(
+        "--handoff-only",
+        action="store_true",
+        help="measure the hand-off alone, at the run's depth and deeper (a minute)",
+    )
     add_options(p, "benchmarks/results/grid-cpu-2core")
     return p
 
@@ -437,10 +516,27 @@ def main(argv: list[str] | None = None) -> int:
         "max_prefetch": args.max_prefetch,
         "quick": args.quick,
     }
-    cells = grid(args.quick, epoch_ms)
     print(meta_line(meta), flush=True)
     started = time.perf_counter()
     log = functools.partial(print, file=sys.stderr, flush=True)
+    if args.handoff_only:
+        handoff = measure_handoff(HANDOFF_BATCHES[args.quick], args.rounds, args.max_prefetch, log)
+        over = handoff["thread_over_floor"]
+        report(
+            args.out,
+            {**meta, "handoff_only": True},
+            [format_handoff(handoff)],
+            "The threaded hand-off costs "
+            + ("-" if over is None else f"{over:.1f}x")
+            + f" the floor's at max_prefetch={args.max_prefetch} on this machine; a deeper "
+            "queue wakes the thread less often (see above).",
+            {},
+            ("plain", "floor"),
+            handoff=handoff,
+            summary=summarize_handoff(handoff),
+        )
+        return 0
+    cells = grid(args.quick, epoch_ms)
     results = []
     for i, cell in enumerate(cells):
         log(f"cell {i + 1}/{len(cells)}")

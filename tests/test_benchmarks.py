@@ -92,8 +92,34 @@ def test_the_quick_grid_writes_its_table_and_record(tmp_path: Path) -> None:
     handoff = record["handoff"]
     assert set(handoff["extra_us_per_batch"]) == {"plain", "thread", "floor"}
     assert handoff["switches_per_batch"]["thread"] >= 0
-    for line in ("worst cell: ", "no-work loop: ", "winning cells: ", "hand-off: the thread stage"):
+    assert set(handoff["depths"]) == {"4", "8", "32"}
+    for line in (
+        "worst cell: ",
+        "no-work loop: ",
+        "winning cells: ",
+        "hand-off: the thread stage",
+        "hand-off, deeper queues, over the floor's: max_prefetch=4 ",
+    ):
         assert f"\n  {line}" in text, line
+
+
+def test_the_quick_handoff_alone_measures_the_deeper_queues_too(tmp_path: Path) -> None:
+    stem = tmp_path / "handoff"
+    done = _run("grid", "--handoff-only", "--quick", "--out", str(stem))
+    assert done.returncode == 0, done.stderr
+    text = Path(f"{stem}.txt").read_text()
+    record = json.loads(Path(f"{stem}.json").read_text())
+    assert record["meta"]["handoff_only"] is True
+    handoff = record["handoff"]
+    assert handoff["max_prefetch"] == 2
+    assert set(handoff["extra_us_per_batch"]) == {"plain", "thread", "floor"}
+    assert set(handoff["depths"]) == {"4", "8", "32"}
+    for depth, measured in handoff["depths"].items():
+        assert len(handoff["epochs_s"][f"depth {depth}"]) == 5  # paired with plain's rounds
+        assert measured["switches_per_batch"] >= 0
+        assert f"max_prefetch={depth}: the thread stage " in text
+    assert set(record["summary"]["depths"]) == set(handoff["depths"])
+    assert " ".join(text.strip().split("\n\n")[-1].split()) == record["conclusion"]
 
 
 def test_the_quick_jpeg_pipeline_writes_its_table_and_record(tmp_path: Path) -> None:
