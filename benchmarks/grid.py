@@ -421,10 +421,13 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _times(over: float | None) -> str:
+    """A ratio to the floor, or ``-`` where the floor's cost is not above 0."""
+    return "-" if over is None else f"{over:.2f}x"
+
+
 def _by_depth(depths: dict[str, float | None]) -> str:
-    return ", ".join(
-        f"max_prefetch={d} {'-' if over is None else f'{over:.2f}x'}" for d, over in depths.items()
-    )
+    return ", ".join(f"max_prefetch={d} {_times(over)}" for d, over in depths.items())
 
 
 def format_handoff(handoff: dict[str, Any]) -> str:
@@ -452,11 +455,7 @@ def format_handoff(handoff: dict[str, Any]) -> str:
     lines.append(
         wrap(
             f"over the floor's: max_prefetch={handoff['max_prefetch']} "
-            + (
-                "-"
-                if summary["thread_over_floor"] is None
-                else f"{summary['thread_over_floor']:.2f}x"
-            )
+            + _times(summary["thread_over_floor"])
             + (", " + _by_depth(summary["depths"]) if summary["depths"] else "")
             + " (target <= 1.5 at the default depth)"
         )
@@ -521,14 +520,12 @@ def main(argv: list[str] | None = None) -> int:
     log = functools.partial(print, file=sys.stderr, flush=True)
     if args.handoff_only:
         handoff = measure_handoff(HANDOFF_BATCHES[args.quick], args.rounds, args.max_prefetch, log)
-        over = handoff["thread_over_floor"]
         report(
             args.out,
             {**meta, "handoff_only": True},
             [format_handoff(handoff)],
-            "The threaded hand-off costs "
-            + ("-" if over is None else f"{over:.1f}x")
-            + f" the floor's at max_prefetch={args.max_prefetch} on this machine; a deeper "
+            f"The threaded hand-off costs {_times(handoff['thread_over_floor'])} the floor's "
+            f"at max_prefetch={args.max_prefetch} on this machine; a deeper "
             "queue wakes the thread less often (see above).",
             {},
             ("plain", "floor"),
