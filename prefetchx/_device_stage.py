@@ -72,7 +72,8 @@ class DeviceStage(Iterator[Any]):
     `EpochStats`.
 
     Args:
-        source: Host batches: the thread stage, which must not park (``adaptive=False``).
+        source: Host batches: the thread stage, which must neither park (``adaptive=False``)
+            nor have the caller make batches (``steal=False``).
         device: Where batches go.
         copies: How tensors get to ``device``: `CudaStreams`, or `Copies` where there are no
             streams.

@@ -79,12 +79,14 @@ class Channel:
     """The bounded hand-off from one producer thread to one consumer.
 
     Items travel through a `queue.SimpleQueue` (one C-level lock per put and get, where
-    `queue.Queue` takes a Python-level condition twice); at most ``capacity`` wait at a time. A
-    producer that finds the channel full sleeps until the consumer has taken it down to a
-    low-water mark (fewer than half of ``capacity`` left), so it wakes once for several items
-    rather than once per item, and makes them back to back. Every wait is timed and re-checks
-    the stop event, so a stop, a Ctrl-C or a producer that died is noticed within
-    `POLL_INTERVAL`.
+    `queue.Queue` takes a Python-level condition twice); at most ``bound`` wait at a time. The
+    producer asks for `room` before it makes an item, never with one in hand, so a consumer that
+    finds the channel empty while the producer sleeps may make the next item itself (see
+    ``ThreadStage``'s ``steal``). A producer that finds the channel full sleeps until the
+    consumer has taken it down to a low-water mark (at most ``(bound - 1) // 2`` left), so it
+    wakes once for several items rather than once per item, and makes them back to back. Every
+    wait is timed and re-checks the stop event, so a stop, a Ctrl-C or a producer that died is
+    noticed within `POLL_INTERVAL`.
 
     The producer alone writes ``_put`` and the consumer alone ``_taken``; each reads the other's
     count, which may be behind but never ahead, and re-checks after saying it waits, so no
@@ -92,11 +94,11 @@ class Channel:
     returns at once and checks again.
     """
 
-    __slots__ = ("_items", "_low", "_put", "_room", "_taken", "_waiting", "capacity")
+    __slots__ = ("_items", "_low", "_put", "_room", "_taken", "_waiting", "bound")
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = max(1, capacity)
-        self._low = (self.capacity - 1) // 2
+    def __init__(self, bound: int) -> None:
+        self.bound = max(1, bound)
+        self._low = (self.bound - 1) // 2
         self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._room: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._put = 0
@@ -112,29 +114,40 @@ class Channel:
         return self._items.empty()
 
     def full(self) -> bool:
-        """Whether the producer would have to wait to put."""
-        return self._put - self._taken >= self.capacity
+        """Whether the producer would have to wait for room."""
+        return self._put - self._taken >= self.bound
 
     @property
     def producer_waits(self) -> bool:
-        """Whether the producer is waiting for room now, with its next item in hand.
+        """Whether the producer is waiting for room now.
 
         Not the same as `full`: once it waits, the producer goes on only at the low-water mark,
-        so it may go on waiting with fewer than ``capacity`` items left.
+        so it may go on waiting with fewer than ``bound`` items left.
         """
         return self._waiting
 
-    def put(self, item: object, stop: threading.Event) -> bool:
-        """Put ``item``, waiting for room, until ``stop`` is set.
+    def room(self, stop: threading.Event) -> bool:
+        """Wait until the producer may make one more item, or ``stop`` is set.
 
         Returns:
-            ``True`` when the item was put, ``False`` when ``stop`` was set first.
+            ``True`` when there is room, ``False`` when ``stop`` was set first.
         """
-        if self._put - self._taken >= self.capacity and not self._wait_for_room(stop):
-            return False
+        if self._put - self._taken < self.bound:
+            return True
+        return self._wait_for_room(stop)
+
+    def put(self, item: object) -> None:
+        """Put ``item`` now: an item the producer made after `room`, or a last word (a `Signal`,
+        a `Failure`), which never waits."""
         self._put += 1  # counted before it can be taken, so the count is never behind
         self._items.put(item)
-        return True
+
+    def nap(self, stop: threading.Event) -> None:
+        """For the producer: wait for `wake_producer` or `POLL_INTERVAL`, unless ``stop`` is
+        set."""
+        if not stop.is_set():
+            with contextlib.suppress(queue.Empty):
+                self._room.get(timeout=POLL_INTERVAL)
 
     def _wait_for_room(self, stop: threading.Event) -> bool:
         room, low = self._room, self._low
@@ -196,7 +209,8 @@ class Channel:
         )
 
     def wake_producer(self) -> None:
-        """Wake a producer waiting for room, so that it sees a stop at once."""
+        """Wake a producer waiting for room or napping, so that it looks again at once (a stop,
+        a request)."""
         self._room.put(None)
 
     def drain(self) -> None:

@@ -95,12 +95,13 @@ class Pipeline:
         if streams is not None and self.pin_host:
             source = map(self._pin, source)  # in the thread: off the caller's
         # The device stage takes only batches already waiting: a parked thread would leave it
-        # nothing to copy ahead.
+        # nothing to copy ahead. It pins in the thread alone, on the target device.
         thread = ThreadStage(
             source,
             self.max_prefetch,
             device=self.target,
             adaptive=False,
+            steal=False,
             stats=stats,
             reapable=reapable,
             limit=limit,

@@ -129,8 +129,9 @@ class EpochStats:
       (worker processes, the first batch) and is left out of the verdict.
     * ``step``: time between getting a batch and asking for the next (the training step).
     * ``produce``: time the thread spent making each batch; a batch the loop made itself (the
-      first of the epoch, or while the thread was parked) counts in ``wait`` only. It is wall
-      time, so it includes the thread's waits for the GIL.
+      first of the epoch, one made while the thread was parked, or one the thread had not
+      started when the loop asked for it) counts in ``wait`` only. It is wall time, so it
+      includes the thread's waits for the GIL.
     * ``occupancy``: batches waiting in the queue when the loop asked the thread for one.
     * ``step_threaded``: the steps the thread ran beside (those before a batch taken from its
       queue); the other steps ran with the thread parked or absent. Their means compared are

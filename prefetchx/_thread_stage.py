@@ -28,6 +28,11 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+MAX_PATIENCE = 64
+"""Items the caller makes itself, at most, before it wakes a thread that found it doing so
+(see `_Producer.make`): a loop that steals every item from a thread that cannot keep up (no
+step, a fast source) wakes it about once in this many items."""
+
 _SPECIAL = (Signal, Failure, Warned)
 """Queue values that are not plain items."""
 
@@ -77,11 +82,12 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
     `BackgroundGenerator` gives the thread and the ``generator`` attribute. This subclass hands
     over through a `Channel` rather than its ``queue.Queue``, and replaces its ``run``: each
     call of the source ends as one value on the channel, an item or a `Failure` (any
-    `BaseException`), in order, and the thread goes on after a
-    failure as the source's caller would; puts are timed and re-check a stop event; the warnings
-    a call raises travel with its value; the source is released as soon as the thread ends; and
-    the thread can park so that the consumer pulls from the source itself. It never references
-    the consumer's handle, so a dropped handle can be collected while the thread still runs.
+    `BaseException`), in order, and the thread goes on after a failure as the source's caller
+    would; waits for room are timed and re-check a stop event; the warnings a call raises travel
+    with its value; the source is released as soon as the thread ends; the thread can park so
+    that the consumer pulls from the source itself; and the consumer can make an item itself
+    while the thread has nothing queued and is not making one (`make`). It never references the
+    consumer's handle, so a dropped handle can be collected while the thread still runs.
     """
 
     queue: Channel
@@ -105,6 +111,15 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
         self.allowed = allowed
         """Once ``calls`` reaches this, the thread hands the source back and ends (see the
         stage's ``limit``); set by the consumer before it starts or resumes the thread."""
+        self.retreated = False
+        """Whether the thread is trying for the source or has backed off (see `make`)."""
+        self.backed_off = False
+        """Whether the thread has backed off since it last had the source."""
+        self.patience = 1
+        """Items the consumer makes itself before it wakes a thread that backed off: doubled at
+        each back-off, up to `MAX_PATIENCE`, and 1 again once the thread has the source."""
+        self.made_here = 0
+        """Items the consumer has made itself since it last woke the thread."""
         self.in_source = False
         """Whether the thread is inside a call of the source now."""
         self.reapable = reapable
@@ -114,7 +129,9 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
         self._device = device
         self._stats = stats
         self._thread_name = name
-        self._capacity = max_prefetch
+        # The thread's lead: `max_prefetch` batches ready and one more, as BackgroundGenerator's
+        # queue of `max_prefetch` and the batch its thread holds while it waits for room.
+        self._bound = max_prefetch + 1
         # BackgroundGenerator.__init__ sets the source, daemon, and starts the thread.
         super().__init__(source, max_prefetch=max_prefetch)
 
@@ -123,7 +140,7 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
         # channel (in place of the queue.Queue made there) before it runs.
         global _exit_handler_registered
         self.name = self._thread_name
-        self.queue = Channel(self._capacity)
+        self.queue = Channel(self._bound)
         if not _exit_handler_registered:
             _exit_handler_registered = True
             atexit.register(_at_exit)
@@ -145,20 +162,27 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
                 # A new thread starts on device 0: CUDA work here (DataLoader pins memory in
                 # this thread when num_workers=0) must run on the target device.
                 set_thread_device(self._device)
-            while not stop.is_set():
-                if self.calls >= self.allowed:
-                    # Past the limit the caller makes every call: hand the source back for good.
-                    q.put(Signal.PAUSED, stop)
-                    return
+            while q.room(stop):  # before the call: the thread never waits with an item in hand
                 if self.pause_requested.is_set():
                     if not self._park():
                         return
                     continue
                 value: Any
-                with lock:
+                self.retreated = True  # before the try, so that a consumer that wins sees it
+                if not lock.acquire(blocking=False):
+                    self._back_off()
+                    continue
+                if self.backed_off:
+                    self.backed_off, self.patience = False, 1
+                self.retreated = False
+                try:
                     source = self.generator
-                    if source is None:
-                        return  # released by a stop
+                    if source is None or stop.is_set():
+                        return  # released by a stop, or ended by the consumer (see `make`)
+                    if self.calls >= self.allowed:
+                        # Past the limit the caller makes every call: hand the source back.
+                        q.put(Signal.PAUSED)
+                        return
                     start = time.perf_counter()
                     self.calls += 1
                     self.in_source = True
@@ -176,15 +200,21 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
                     finally:
                         self.in_source = False
                         source = None
-                if held:
-                    value = Warned(value, held[:])
-                    held.clear()
-                if not q.put(value, stop) or value is Signal.END:
+                    if held:
+                        value = Warned(value, held[:])
+                        held.clear()
+                    # Put before the lock is let go: a consumer that takes it finds every item
+                    # made so far in the channel, so an item it makes itself is the next one.
+                    q.put(value)
+                finally:
+                    lock.release()
+                if value is Signal.END:
                     return
                 del value
         except BaseException as exc:  # in this loop itself, not in the source: the stage ends
-            if q.put(Failure(exc), stop):
-                q.put(Signal.END, stop)
+            if not stop.is_set():
+                q.put(Failure(exc))
+                q.put(Signal.END)
         finally:
             # Released here, so DataLoader workers shut down as soon as the producer is done,
             # even while a consumer still holds an exception whose traceback shows this frame.
@@ -194,6 +224,58 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
                 # A put that raced with the stop would keep its batch, or an exception whose
                 # traceback holds the source, for as long as this thread object lives.
                 self.queue.drain()
+
+    def _back_off(self) -> None:
+        """The consumer is making the next item itself: wait until it says when to try again.
+
+        Trying again at once would queue the thread behind each of the consumer's calls in
+        turn, a wake-up and a GIL hand-off for every item of a loop the thread cannot help
+        (the source fast, the step short). Each back-off in a row doubles how many items the
+        consumer makes before it wakes the thread (see `make`).
+        """
+        self.backed_off = True
+        self.patience = min(2 * self.patience, MAX_PATIENCE)
+        self.queue.nap(self.stop_event)
+
+    def make(self) -> Any:
+        """The next outcome, made in the consumer's thread, for a consumer that found nothing
+        queued: the stage's ``steal``.
+
+        Made only while this thread is not inside the source and has queued nothing: under
+        ``source_lock``, which the thread holds from its call until its put, so the item made
+        here is the next one in order, and the calls made here count against ``allowed``.
+
+        Returns:
+            The item or a `Failure`; `Signal.END` when the source is exhausted (the thread
+            then ends without another call); `Signal.NOT_READY` when the thread is making the
+            next item, or must (it is at its limit or has an item queued).
+        """
+        lock = self.source_lock
+        if not lock.acquire(blocking=False):
+            return Signal.NOT_READY  # the thread is making the next item
+        value: Any = Signal.NOT_READY
+        try:
+            source = self.generator
+            if source is not None and self.calls < self.allowed and self.queue.empty():
+                self.calls += 1
+                try:
+                    value = next(source)
+                except StopIteration:
+                    self.generator = None
+                    value = Signal.END
+                except BaseException as exc:
+                    value = Failure(exc)
+        finally:
+            lock.release()
+        if self.retreated:  # the thread has backed off, or is about to
+            if value is Signal.NOT_READY:
+                self.queue.wake_producer()  # the consumer now waits for the thread
+            else:
+                self.made_here += 1
+                if self.made_here >= self.patience:
+                    self.made_here = 0
+                    self.queue.wake_producer()
+        return value
 
     def _let_go(self) -> None:
         """Release the source here and now, unless the thread is inside a call of it.
@@ -213,8 +295,7 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
 
     def _park(self) -> bool:
         """Hand the source to the consumer and wait until it is handed back or stop is set."""
-        if not self.queue.put(Signal.PAUSED, self.stop_event):
-            return False
+        self.queue.put(Signal.PAUSED)
         while not self.resume_event.wait(POLL_INTERVAL):
             if self.stop_event.is_set():
                 return False
@@ -236,7 +317,7 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
         """
         self.stop_event.set()
         self.resume_event.set()  # wake a parked thread so it sees the stop
-        self.queue.wake_producer()  # and one waiting for room
+        self.queue.wake_producer()  # and one waiting for room or backed off
         self.queue.drain()
         self._let_go()
         if self.is_alive():
@@ -291,6 +372,14 @@ class ThreadStage(Iterator[T], Generic[T]):
     Ctrl-C while waiting for an item is raised at once and loses nothing: the item comes with the
     next ``next()``.
 
+    When the thread has nothing ready and is not making the next item (it is asleep, waiting for
+    room, or not yet running again), ``next()`` makes that item itself rather than wait for the
+    thread to wake (``steal``), under the lock the thread holds from each call to its put, so
+    the order stays the source's. A thread that finds the caller doing so backs off until the
+    caller has made 2, 4, 8, ... up to 64 items more, one back-off after another:
+    where the thread cannot keep ahead (a fast source, no step), a batch then costs no wake-up;
+    where it can, it takes over again as soon as it finds the source free, during a step.
+
     A thread helps only where what it hides is worth more than what it costs (a hand-off per
     item, and the GIL and the cores it shares with the consumer), and that depends on the
     source, the consumer, the machine and the moment. So by default the stage measures the
@@ -310,7 +399,8 @@ class ThreadStage(Iterator[T], Generic[T]):
         name: The thread's name.
         device: The accelerator the thread makes current before it starts, or ``None``.
         adaptive: Let the consumer pull items itself while that is faster; ``False`` runs the
-            thread from the second item on.
+            thread from the second item on (with ``steal``, the caller still makes the items the
+            thread has not started when it asks).
         stats: Where to record the stall meter; a new `EpochStats` by default.
         reapable: Whether a call of ``source`` that is still running when the stage is left
             may be interrupted, so that the thread ends and releases the source (a DataLoader
@@ -321,6 +411,10 @@ class ThreadStage(Iterator[T], Generic[T]):
             call itself, in its own thread. A DataLoader iterator's ``len()``: what the source does
             at the call that ends an epoch (a sampler's last draw from the loader's generator)
             is then the loop's own, made only if the loop makes it. ``None``: no limit.
+        steal: Make an item in the caller's thread when the thread has none ready and is not
+            making one (see above). ``False``: while the thread runs, it makes every item and
+            the caller waits for it (a composed stage that calls the source from its own
+            thread only).
 
     Examples:
         >>> with ThreadStage(iter(range(3)), max_prefetch=2) as stage:
@@ -339,9 +433,11 @@ class ThreadStage(Iterator[T], Generic[T]):
         stats: EpochStats | None = None,
         reapable: bool = False,
         limit: int | None = None,
+        steal: bool = True,
         _memory: Memory | None = None,
     ) -> None:
         self.max_prefetch = check_int("max_prefetch", max_prefetch, minimum=0)
+        self._steal = steal
         self._limit = sys.maxsize if limit is None else check_int("limit", limit, minimum=0)
         self._made = 0  # calls of the source made in the caller's thread
         self._reapable = reapable
@@ -495,6 +591,15 @@ class ThreadStage(Iterator[T], Generic[T]):
         producer = self._producer
         assert producer is not None  # only inline mode runs without a producer
         waiting = producer.queue.qsize()
+        if not waiting and self._steal:
+            # Nothing ready: make the next item here if the thread is not making it (asleep,
+            # or not yet running again), rather than wait for it to wake.
+            value = producer.make()
+            if value is not Signal.NOT_READY:
+                if value is Signal.END:
+                    self._end()
+                    raise StopIteration
+                return value
         # An interrupt here (Ctrl-C, DataLoader's dead-worker signal) propagates; the thread
         # keeps the value it was making, so the next call gets it.
         value = producer.queue.get(producer, producer.stop_event)
@@ -553,6 +658,7 @@ class ThreadStage(Iterator[T], Generic[T]):
             assert producer is not None  # threaded only once started
             self._pausing = True
             producer.pause_requested.set()  # the thread answers with Signal.PAUSED, in order
+            producer.queue.wake_producer()  # now, if it has backed off
         elif producer is None:
             self._start()
         elif self._made + producer.calls >= self._limit:

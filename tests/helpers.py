@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from prefetchx._adapt import WINDOW, Chooser
+from prefetchx._engine import Channel
 
 T = TypeVar("T")
 
@@ -177,6 +178,24 @@ def wait_until(predicate: object, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return bool(predicate())
+
+
+class ThreadGate:
+    """Holds every producer thread before each call of its source it would make, until opened
+    (`Channel.room` replaced): meanwhile a thread stage's caller makes the items itself, or
+    waits for them (``steal=False``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.open = threading.Event()
+        room = Channel.room
+
+        def held(channel: Channel, stop: threading.Event) -> bool:
+            while not self.open.wait(0.01):
+                if stop.is_set():
+                    return False
+            return room(channel, stop)
+
+        monkeypatch.setattr(Channel, "room", held)
 
 
 def new_children(before: set[int]) -> list[psutil.Process]:

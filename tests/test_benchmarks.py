@@ -90,7 +90,7 @@ def test_the_quick_grid_writes_its_table_and_record(tmp_path: Path) -> None:
     assert summary["worst"]["cell"] in {c["label"] for c in cells}
     assert summary["no_work"]["cell"] == "none, D 0 us, C 0 us, 0 workers"
     handoff = record["handoff"]
-    assert set(handoff["extra_us_per_batch"]) == {"plain", "thread", "floor"}
+    assert set(handoff["extra_us_per_batch"]) == {"plain", "thread", "handed over", "floor"}
     assert handoff["switches_per_batch"]["thread"] >= 0
     assert set(handoff["depths"]) == {"4", "8", "32"}
     for line in (
@@ -101,6 +101,7 @@ def test_the_quick_grid_writes_its_table_and_record(tmp_path: Path) -> None:
         "hand-off, deeper queues, over the floor's: max_prefetch=4 ",
     ):
         assert f"\n  {line}" in text, line
+    assert "every batch handed over: " in " ".join(text.split())
 
 
 def test_the_quick_handoff_alone_measures_the_deeper_queues_too(tmp_path: Path) -> None:
@@ -112,12 +113,14 @@ def test_the_quick_handoff_alone_measures_the_deeper_queues_too(tmp_path: Path) 
     assert record["meta"]["handoff_only"] is True
     handoff = record["handoff"]
     assert handoff["max_prefetch"] == 2
-    assert set(handoff["extra_us_per_batch"]) == {"plain", "thread", "floor"}
+    assert set(handoff["extra_us_per_batch"]) == {"plain", "thread", "handed over", "floor"}
     assert set(handoff["depths"]) == {"4", "8", "32"}
     for depth, measured in handoff["depths"].items():
         assert len(handoff["epochs_s"][f"depth {depth}"]) == 5  # paired with plain's rounds
         assert measured["switches_per_batch"] >= 0
         assert f"max_prefetch={depth}: the thread stage " in text
+    assert "; handing over every batch, " in text
+    assert len(handoff["epochs_s"]["handed over"]) == 5
     assert set(record["summary"]["depths"]) == set(handoff["depths"])
     assert " ".join(text.strip().split("\n\n")[-1].split()) == record["conclusion"]
 

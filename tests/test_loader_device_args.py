@@ -18,6 +18,7 @@ from prefetchx._loader import _refuses_pinning
 from prefetchx._normalize import Normalize
 from prefetchx._pipeline import Pipeline
 from tests.fakecuda import FakeCuda
+from tests.helpers import ThreadGate
 
 MEAN, STD = (10.0, 20.0, 30.0), (2.0, 4.0, 8.0)
 
@@ -193,6 +194,28 @@ def _on_model_device(fake: FakeCuda, normalize: Normalize) -> None:
     )
     for device in (torch.device("cpu"), torch.device("cuda", 0)):
         normalize._constants[device] = constants
+
+
+def test_with_a_cuda_target_the_thread_makes_every_batch_after_the_first(
+    fake_gpu: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The device stage pins and copies only what the thread made, on the target device: its
+    # caller waits for a thread that is late (a CPU target's would make the batch itself).
+    expected = list(DataLoader(Images(), batch_size=2))
+    loader = DataLoaderX(Images(), batch_size=2, device="cpu", input_key="image")
+    gate = ThreadGate(monkeypatch)
+    with fake_gpu:
+        it = iter(loader)
+        got = [next(it)]  # made in the caller's thread, which starts the thread
+        threading.Timer(0.5, gate.open.set).start()
+        got += list(it)
+        assert gate.open.is_set()  # the loop waited for the thread
+        fake_gpu.complete_all()
+    me = threading.current_thread().name
+    pinned = fake_gpu.pinned_in  # type: ignore[attr-defined]
+    assert pinned == [me] * 2 + ["prefetchx-thread"] * 2 * (len(expected) - 1)
+    for ours, theirs in zip(got, expected, strict=True):
+        assert torch.equal(ours["label"], theirs["label"])
 
 
 @dataclasses.dataclass

@@ -5,11 +5,12 @@ from __future__ import annotations
 import _thread
 import gc
 import math
+import random
 import threading
 import time
 import traceback
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -17,7 +18,8 @@ import pytest
 from prefetchx import EpochStats, ThreadStage, _engine
 from prefetchx._adapt import CLEAR_GROWTH, Chooser, Memory
 from prefetchx._engine import Channel, Failure
-from tests.helpers import Switching, wait_until
+from prefetchx._thread_stage import MAX_PATIENCE
+from tests.helpers import Switching, ThreadGate, wait_until
 
 
 class Abort(BaseException):
@@ -62,13 +64,16 @@ class Flaky:
         return i
 
 
-def outcomes(iterator: Iterator[Any]) -> list[Any]:
-    """Every outcome of ``next()`` until StopIteration: items, and ``(type, args)`` of errors,
-    each with the warnings shown during that very call (filters stay the same throughout)."""
+def outcomes(
+    iterator: Iterator[Any], n: int | None = None, between: Callable[[], object] = lambda: None
+) -> list[Any]:
+    """Every outcome of ``next()`` until StopIteration, or the first ``n``: items, and
+    ``(type, args)`` of errors, each with the warnings shown during that very call (filters
+    stay the same throughout); ``between`` runs after each, as a loop's step."""
     out: list[Any] = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        while True:
+        while n is None or len(out) < n:
             seen = len(caught)
             try:
                 value: Any = next(iterator)
@@ -77,6 +82,7 @@ def outcomes(iterator: Iterator[Any]) -> list[Any]:
             except BaseException as exc:
                 value = (type(exc).__name__, exc.args)
             out.append((value, [str(w.message) for w in caught[seen:]]))
+            between()
     return out
 
 
@@ -150,7 +156,7 @@ def test_failure_keeps_its_type_object_and_traceback(error: BaseException) -> No
 
 def test_nothing_runs_before_the_first_next_which_the_caller_makes() -> None:
     source = Flaky(5)
-    stage = ThreadStage(source, max_prefetch=2)
+    stage = ThreadStage(source, max_prefetch=2, steal=False)  # so the thread makes the rest
     time.sleep(0.05)
     assert source.i == 0
     assert stage.thread is None
@@ -323,21 +329,28 @@ def test_a_channel_reports_a_producer_that_died_silently() -> None:
 
 
 def test_a_producer_waiting_for_room_goes_on_only_at_the_low_water_mark() -> None:
-    q, stop = Channel(4), threading.Event()  # low-water mark: 1 item left
-    producer = threading.Thread(target=lambda: [q.put(i, stop) for i in range(5)])
+    q, stop = Channel(5), threading.Event()  # low-water mark: 2 items left
+
+    def produce() -> None:
+        for i in range(6):
+            assert q.room(stop)  # asked before each item is made, never with one in hand
+            q.put(i)
+
+    producer = threading.Thread(target=produce)
     producer.start()
     assert wait_until(lambda: q.producer_waits)
     assert q.full()
+    assert q.qsize() == 5
     assert [q.get(producer, stop) for _ in range(2)] == [0, 1]
     time.sleep(0.05)
-    assert q.producer_waits  # 2 left: no longer full, still waiting
+    assert q.producer_waits  # 3 left: no longer full, still waiting
     assert not q.full()
-    assert q.qsize() == 2
-    assert q.get(producer, stop) == 2  # 1 left: the producer goes on
+    assert q.qsize() == 3
+    assert q.get(producer, stop) == 2  # 2 left: the producer goes on
     producer.join(10)
     assert not producer.is_alive()
     assert not q.producer_waits
-    assert [q.get(producer, stop) for _ in range(2)] == [3, 4]
+    assert [q.get(producer, stop) for _ in range(3)] == [3, 4, 5]
 
 
 # --- warnings ------------------------------------------------------------------------------------
@@ -497,18 +510,23 @@ def test_the_next_epoch_starts_with_what_the_last_one_found() -> None:
 
 
 @pytest.mark.parametrize("max_prefetch", [1, 2, 5])
+@pytest.mark.parametrize("steal", [False, True])
 def test_switching_every_other_item_loses_and_reorders_nothing(
-    max_prefetch: int, monkeypatch: pytest.MonkeyPatch
+    max_prefetch: int, steal: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr("prefetchx._thread_stage.Chooser", Switching)
     expected = outcomes(_flaky())
     source = _flaky()
-    with ThreadStage(source, max_prefetch) as stage:
+    with ThreadStage(source, max_prefetch, steal=steal) as stage:
         assert outcomes(stage) == expected
         assert stage._chooser is not None
-        assert stage._chooser.switches > 8
-    me = threading.current_thread().name
-    assert 5 < source.threads.count(me) < 35  # both made items
+        switches = stage._chooser.switches
+    if not steal:
+        assert switches > 8
+        me = threading.current_thread().name
+        assert 5 < source.threads.count(me) < 35  # both made items
+    # With steal, the caller makes what the thread has not started, in order: a thread that
+    # does not get the GIL before the epoch ends parks late or never, and the switch waits.
 
 
 def _then_inline(threaded_items: int) -> type[Chooser]:
@@ -540,8 +558,137 @@ def test_close_while_inline_stops_the_parked_thread(monkeypatch: pytest.MonkeyPa
 
 def test_adaptive_off_keeps_the_thread() -> None:
     source = Flaky(100)
-    assert list(ThreadStage(source, 2, adaptive=False)) == list(range(100))
+    assert list(ThreadStage(source, 2, adaptive=False, steal=False)) == list(range(100))
     assert set(source.threads[1:]) == {"prefetchx-thread"}
+
+
+# --- the caller makes what the thread has not started (steal) ------------------------------------
+
+
+def _gated_flaky() -> Flaky:
+    return Flaky(12, fail_at={4: ValueError("four")}, warn_at={3, 9})
+
+
+def _started(stage: ThreadStage[Any]) -> Any:
+    """The stage's producer thread, started by a first ``next()``."""
+    assert stage._producer is not None
+    return stage._producer
+
+
+def test_the_caller_makes_the_items_the_thread_has_not_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gate = ThreadGate(monkeypatch)
+    source = _gated_flaky()
+    stage = ThreadStage(source, max_prefetch=2, adaptive=False)
+    got = outcomes(stage, 6)  # the thread is held before its first call: the caller makes these
+    assert source.threads == ["MainThread"] * 6
+    gate.open.set()
+    assert wait_until(_started(stage).queue.full)  # now the thread runs ahead, after them
+    got += outcomes(stage)
+    assert got == outcomes(_gated_flaky())  # the same items, errors and warnings, in order
+    assert source.threads[6:9] == ["prefetchx-thread"] * 3
+    assert wait_until(lambda: not stage.producer_alive)
+
+
+def test_without_steal_the_caller_waits_for_the_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = ThreadGate(monkeypatch)
+    source = _gated_flaky()
+    stage = ThreadStage(source, max_prefetch=2, adaptive=False, steal=False)
+    assert next(stage) == 0
+    threading.Timer(0.1, gate.open.set).start()
+    assert outcomes(stage) == outcomes(_gated_flaky())[1:]
+    assert source.threads == ["MainThread"] + ["prefetchx-thread"] * 11
+
+
+class _Jittery(Flaky):
+    """`Flaky` whose calls now and then take half a millisecond."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(
+            1500,
+            fail_at={i: ValueError(i) for i in range(7, 1500, 97)},
+            warn_at=set(range(11, 1500, 113)),
+        )
+        self.jitter = random.Random(seed)
+
+    def __next__(self) -> int:
+        if self.jitter.random() < 0.05:
+            time.sleep(0.0005)
+        return super().__next__()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_caller_and_the_thread_taking_turns_keep_every_outcome_in_order(seed: int) -> None:
+    # Both make items, in whatever turns the scheduler gives them: the outcomes stay those of
+    # the source called alone.
+    steps = random.Random(seed)
+
+    def step() -> None:
+        if steps.random() < 0.2:
+            time.sleep(0.0005)  # now and then, a step long enough for the thread to get in
+
+    source = _Jittery(seed)
+    got = outcomes(ThreadStage(source, max_prefetch=2, adaptive=False), between=step)
+    assert got == outcomes(_Jittery(seed))
+    assert set(source.threads[1:]) == {"MainThread", "prefetchx-thread"}
+
+
+def test_a_thread_that_found_the_caller_making_items_is_woken_ever_less_often(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A loop the thread cannot help (a fast source, no step) would otherwise pay a wake-up and
+    # a GIL hand-off for every item.
+    gate = ThreadGate(monkeypatch)
+    stage = ThreadStage(iter(range(100)), max_prefetch=2, adaptive=False)
+    assert next(stage) == 0
+    producer = _started(stage)
+    # As if the thread had backed off three times in a row (it is held at the gate meanwhile).
+    producer.retreated, producer.patience = True, 8
+    wakes = []
+    wake = Channel.wake_producer
+    monkeypatch.setattr(Channel, "wake_producer", lambda q: wakes.append(1) or wake(q))
+    assert [next(stage) for _ in range(16)] == list(range(1, 17))
+    assert len(wakes) == 2  # after the 8th item the caller made, and the 16th
+    producer.retreated = False
+    assert [next(stage) for _ in range(8)] == list(range(17, 25))
+    assert len(wakes) == 2  # a thread that has not backed off is not woken
+    gate.open.set()
+    assert list(stage) == list(range(25, 100))
+
+
+def test_back_off_doubles_up_to_a_cap_and_starts_over_once_the_thread_has_the_source(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gate = ThreadGate(monkeypatch)
+    stage = ThreadStage(iter(range(100)), max_prefetch=2, adaptive=False)
+    assert next(stage) == 0
+    producer = _started(stage)
+    patience = []
+    for _ in range(9):
+        producer.queue.wake_producer()  # so that the nap returns at once
+        producer._back_off()
+        patience.append(producer.patience)
+    assert patience == [2, 4, 8, 16, 32, 64, 64, 64, 64]
+    assert MAX_PATIENCE == 64
+    gate.open.set()
+    assert wait_until(producer.queue.full)  # the thread had the source
+    assert producer.patience == 1
+    assert not producer.backed_off
+    assert list(stage) == list(range(1, 100))
+
+
+def test_close_wakes_a_thread_that_backed_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_engine, "POLL_INTERVAL", 60.0)  # only a wake-up ends its nap in time
+    gate = ThreadGate(monkeypatch)
+    stage = ThreadStage(iter(range(100)), max_prefetch=2, adaptive=False)
+    assert next(stage) == 0
+    producer = _started(stage)
+    with producer.source_lock:  # as a caller making an item itself
+        gate.open.set()
+        assert wait_until(lambda: producer.backed_off)
+    stage.close()
+    assert not stage.producer_alive
 
 
 # --- the stall meter -----------------------------------------------------------------------------
@@ -832,7 +979,7 @@ def test_the_thread_ends_once_the_limit_is_spent() -> None:
     # A loop that takes len() batches and never asks again (Lightning's) must not be left with
     # a thread waiting beside a finished epoch.
     source = _Callers(9)
-    stage = ThreadStage(source, max_prefetch=2, adaptive=False, limit=5, name="worker")
+    stage = ThreadStage(source, 2, adaptive=False, limit=5, name="worker", steal=False)
     assert [next(stage) for _ in range(5)] == list(range(5))
     assert wait_until(lambda: not stage.producer_alive)
     assert source.callers == ["MainThread"] + ["worker"] * 4
