@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import threading
-import time
 import warnings
 from typing import Any
 
@@ -18,7 +17,7 @@ from prefetchx._loader import _refuses_pinning
 from prefetchx._normalize import Normalize
 from prefetchx._pipeline import Pipeline
 from tests.fakecuda import FakeCuda
-from tests.helpers import ThreadGate
+from tests.helpers import ThreadGate, wait_until
 
 MEAN, STD = (10.0, 20.0, 30.0), (2.0, 4.0, 8.0)
 
@@ -79,9 +78,13 @@ def test_cpu_normalization_runs_in_the_thread(monkeypatch: pytest.MonkeyPatch) -
     loader = DataLoaderX(
         Images(), batch_size=2, mean=MEAN, std=STD, input_key="image", device="cpu", max_prefetch=4
     )
-    for _ in loader:
-        time.sleep(0.002)  # a step: the thread stays on
-    # The first batch of an epoch is made in the caller's thread, every later one in the thread.
+    it = iter(loader)
+    next(it)
+    # A step long enough for the thread to make the rest (a batch the thread has not started
+    # when the loop asks is made, and normalized, in the loop's thread).
+    assert wait_until(lambda: len(threads) == 3)
+    assert len(list(it)) == 2
+    # The first batch of an epoch is made in the caller's thread, the later ones in the thread.
     assert threads == [threading.current_thread().name] + ["prefetchx-thread"] * 2
 
 
