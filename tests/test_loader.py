@@ -29,7 +29,18 @@ from torch.utils.data import (
 )
 
 from prefetchx import DataLoaderX
-from tests.helpers import REPO, Squares, Stream, as_lists, both, outcomes, plain, wait_until
+from prefetchx._adapt import WINDOW, Chooser
+from tests.helpers import (
+    REPO,
+    Squares,
+    Stream,
+    ThreadGate,
+    as_lists,
+    both,
+    outcomes,
+    plain,
+    wait_until,
+)
 
 
 def _loader_pair(
@@ -774,3 +785,41 @@ def test_timm_turns_mixup_off_through_the_loader() -> None:
     assert plain.mixup_enabled is False
     plain.mixup_enabled = True
     assert plain.mixup_enabled is False
+
+
+class _AlwaysThreaded(Chooser):
+    """A chooser that runs the thread from the second batch on and never parks it."""
+
+    def start(self) -> tuple[bool, int]:
+        self.threaded = True
+        return True, WINDOW
+
+    def window(self, period: float, means: Any) -> tuple[bool, int]:
+        return True, WINDOW
+
+
+def test_batches_the_loop_makes_for_a_late_thread_are_dataloaders(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The thread held for the first 8 batches of each epoch, then let go: the loop makes what
+    # the thread has not started, the thread what it gets to, in turns; the batches, their
+    # order and the draws from the loader's generator (one per epoch, and the sampler's at its
+    # end) stay DataLoader's.
+    monkeypatch.setattr("prefetchx._thread_stage.Chooser", _AlwaysThreaded)
+    gate = ThreadGate(monkeypatch)
+    got: dict[str, Any] = {}
+    for cls in (DataLoader, DataLoaderX):
+        generator = torch.Generator().manual_seed(5)
+        loader = cls(Squares(64), batch_size=2, shuffle=True, generator=generator)
+        batches = []
+        for _ in range(2):  # epochs
+            gate.open.clear()
+            for i, batch in enumerate(loader):
+                batches.append(batch.tolist())
+                if i == 8:
+                    gate.open.set()
+        got[cls.__name__] = (batches, generator.get_state())
+        if cls is DataLoaderX:
+            assert loader.stats.inline_batches > 8  # type: ignore[attr-defined]
+    assert got["DataLoaderX"][0] == got["DataLoader"][0]
+    assert torch.equal(got["DataLoaderX"][1], got["DataLoader"][1])

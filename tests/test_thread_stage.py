@@ -575,6 +575,14 @@ def _started(stage: ThreadStage[Any]) -> Any:
     return stage._producer
 
 
+def _held(monkeypatch: pytest.MonkeyPatch) -> tuple[ThreadGate, ThreadStage[int], Any]:
+    """A stage over ``range(100)`` past its first item, its thread held at a gate."""
+    gate = ThreadGate(monkeypatch)
+    stage = ThreadStage(iter(range(100)), max_prefetch=2, adaptive=False)
+    assert next(stage) == 0
+    return gate, stage, _started(stage)
+
+
 def test_the_caller_makes_the_items_the_thread_has_not_started(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -639,10 +647,7 @@ def test_a_thread_that_found_the_caller_making_items_is_woken_ever_less_often(
 ) -> None:
     # A loop the thread cannot help (a fast source, no step) would otherwise pay a wake-up and
     # a GIL hand-off for every item.
-    gate = ThreadGate(monkeypatch)
-    stage = ThreadStage(iter(range(100)), max_prefetch=2, adaptive=False)
-    assert next(stage) == 0
-    producer = _started(stage)
+    gate, stage, producer = _held(monkeypatch)
     # As if the thread had backed off three times in a row (it is held at the gate meanwhile).
     producer.retreated, producer.patience = True, 8
     wakes = []
@@ -660,10 +665,7 @@ def test_a_thread_that_found_the_caller_making_items_is_woken_ever_less_often(
 def test_back_off_doubles_up_to_a_cap_and_starts_over_once_the_thread_has_the_source(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    gate = ThreadGate(monkeypatch)
-    stage = ThreadStage(iter(range(100)), max_prefetch=2, adaptive=False)
-    assert next(stage) == 0
-    producer = _started(stage)
+    gate, stage, producer = _held(monkeypatch)
     patience = []
     for _ in range(9):
         producer.queue.wake_producer()  # so that the nap returns at once
@@ -680,10 +682,7 @@ def test_back_off_doubles_up_to_a_cap_and_starts_over_once_the_thread_has_the_so
 
 def test_close_wakes_a_thread_that_backed_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_engine, "POLL_INTERVAL", 60.0)  # only a wake-up ends its nap in time
-    gate = ThreadGate(monkeypatch)
-    stage = ThreadStage(iter(range(100)), max_prefetch=2, adaptive=False)
-    assert next(stage) == 0
-    producer = _started(stage)
+    gate, stage, producer = _held(monkeypatch)
     with producer.source_lock:  # as a caller making an item itself
         gate.open.set()
         assert wait_until(lambda: producer.backed_off)
