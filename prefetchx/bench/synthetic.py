@@ -184,8 +184,12 @@ ArmFactory = Callable[[Dataset[Any], int, dict[str, Any]], Iterable[Any]]
 ARMS: dict[str, ArmFactory] = {
     "plain": lambda dataset, depth, kw: DataLoader(dataset, **kw),
     "recipe": lambda dataset, depth, kw: RecipeLoader(dataset, max_prefetch=depth, **kw),
-    "prefetchx": lambda dataset, depth, kw: DataLoaderX(dataset, max_prefetch=depth, **kw),
-    "inline": lambda dataset, depth, kw: DataLoaderX(dataset, max_prefetch=0, **kw),
+    # device="cpu": these arms compare loops on the CPU. With device=None, a machine with a GPU
+    # would give DataLoaderX's batches to it and time a copy the other arms never make.
+    "prefetchx": lambda dataset, depth, kw: DataLoaderX(
+        dataset, max_prefetch=depth, device="cpu", **kw
+    ),
+    "inline": lambda dataset, depth, kw: DataLoaderX(dataset, max_prefetch=0, device="cpu", **kw),
     "floor": lambda dataset, depth, kw: RunAhead(DataLoader(dataset, **kw)),
 }
 """How each arm builds its loader from the dataset, the queue depth and DataLoader's arguments."""
@@ -193,8 +197,10 @@ ARMS: dict[str, ArmFactory] = {
 ARM_NOTES = {
     "plain": "torch's DataLoader, the baseline",
     "recipe": "the BackgroundGenerator recipe: a Queue(max_prefetch) thread over DataLoader",
-    "prefetchx": "DataLoaderX(max_prefetch=N), the thread stage with its inline switch",
-    "inline": "DataLoaderX(max_prefetch=0): no thread, DataLoaderX's own bookkeeping only",
+    "prefetchx": "DataLoaderX(max_prefetch=N, device='cpu'), the thread stage with its inline "
+    "switch",
+    "inline": "DataLoaderX(max_prefetch=0, device='cpu'): no thread, DataLoaderX's own bookkeeping "
+    "only",
     "floor": "a thread running DataLoader a whole epoch ahead into a queue.SimpleQueue: the "
     "cheapest threaded hand-off, the floor for the threaded arms",
 }
