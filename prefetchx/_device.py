@@ -6,7 +6,8 @@ CUDA, and asks for the current device index at its first ``iter()``.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -152,9 +153,20 @@ class CudaStreams(Copies):
         """The caller's current stream on this device."""
         return torch.cuda.current_stream(self.device)
 
-    def on_side(self) -> AbstractContextManager[Any]:
-        """Context in which new work is queued on the side stream."""
-        return torch.cuda.stream(self.side)
+    @contextlib.contextmanager
+    def on_side(self, consumer: Any) -> Iterator[None]:
+        """Context in which new work is queued on the side stream.
+
+        ``consumer`` is the caller's current stream on this device, current again on leaving.
+        The stream of this device alone is switched, which is all that `torch.cuda.stream`
+        restores here too, at a fraction of its cost: it asks for the current stream twice,
+        6 to 8 us each on an H100's host, and took 17 us a batch (RESULTS.md, GPU).
+        """
+        torch.cuda.set_stream(self.side)
+        try:
+            yield
+        finally:
+            torch.cuda.set_stream(consumer)
 
     def side_waits_for(self, stream: Any) -> None:
         """Queue, on the side stream, a wait for all work queued so far on ``stream``."""

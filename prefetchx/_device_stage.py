@@ -127,7 +127,9 @@ class DeviceStage(Iterator[Any]):
         if self._returned_at is not None:
             self.stats.step.add(asked_at - self._returned_at)
         streams = self._streams
-        asked = self._idle.asked() if self._idle is not None else None
+        # The caller's stream, asked once: it cannot change inside this call.
+        consumer = streams.consumer() if streams is not None else None
+        asked = self._idle.asked(consumer) if self._idle is not None else None
         in_flight = self._in_flight
         if not in_flight:
             upstream = self._upstream
@@ -138,16 +140,15 @@ class DeviceStage(Iterator[Any]):
             except StopIteration:
                 self._upstream_ended = True
                 self._finish()
-            self._admit(value)
+            self._admit(value, consumer)
         head = in_flight.popleft()
         if head.__class__ is Failure:
-            self._top_up()
+            self._top_up(consumer)
             self._returned(asked_at)
             self.stats.errors += 1
             head.reraise()
         batch, event, host = head  # type: ignore[misc]
         if streams is not None:
-            consumer = streams.consumer()
             streams.wait(consumer, event)
             for tensor in iter_tensors(batch):
                 for part in dense_parts(tensor):
@@ -156,7 +157,7 @@ class DeviceStage(Iterator[Any]):
             if self._idle is not None:
                 self._idle.handed(asked, consumer)
         # The next batches' copies overlap the caller's work on this one.
-        self._top_up()
+        self._top_up(consumer)
         self._returned(asked_at)
         return batch
 
@@ -173,8 +174,11 @@ class DeviceStage(Iterator[Any]):
         self.close()
         raise StopIteration
 
-    def _top_up(self) -> None:
-        """Start copies for host batches already waiting, up to ``device_prefetch`` in flight."""
+    def _top_up(self, consumer: Any) -> None:
+        """Start copies for host batches already waiting, up to ``device_prefetch`` in flight.
+
+        ``consumer``: the caller's current stream (``None`` without streams).
+        """
         upstream = self._upstream
         while (
             len(self._in_flight) < self.device_prefetch
@@ -188,30 +192,33 @@ class DeviceStage(Iterator[Any]):
                 return
             if value is Signal.NOT_READY:
                 return
-            self._admit(value)
+            self._admit(value, consumer)
 
-    def _admit(self, value: Any) -> None:
+    def _admit(self, value: Any, consumer: Any) -> None:
         """Queue one outcome: start a batch's copy and normalization, or keep a failure in turn."""
         if value.__class__ is Failure:
             self._in_flight.append(value)
             return
         try:
-            self._in_flight.append(self._start(value))
+            self._in_flight.append(self._start(value, consumer))
         except KeyboardInterrupt:
             raise  # Ctrl-C during a copy: now, as DataLoader raises it during a fetch
         except BaseException as exc:
             self._in_flight.append(Failure(exc))
 
-    def _start(self, host: Any) -> tuple[Any, Any, Any]:
-        """Queue one batch's copy and normalization; return it with its completion event."""
+    def _start(self, host: Any, consumer: Any) -> tuple[Any, Any, Any]:
+        """Queue one batch's copy and normalization; return it with its completion event.
+
+        ``consumer``: the caller's current stream, which the side stream waits for first.
+        """
         streams = self._streams
         if streams is None:
             return self._transfer(host, None), None, None
         if self._normalize.active:
             # Made before the fence: a first use must not copy the constants behind it.
             self._normalize.prepare(self.device)
-        streams.side_waits_for(streams.consumer())
-        with streams.on_side():
+        streams.side_waits_for(consumer)
+        with streams.on_side(consumer):
             batch = self._transfer(host, streams)
             return batch, streams.mark(streams.side), host
 
@@ -333,9 +340,9 @@ class GpuIdle:
         self._first = True
         self._pending: collections.deque[tuple[Any, Any]] = collections.deque()
 
-    def asked(self) -> Any:
-        """The loop asks for a batch: mark its stream."""
-        return self._streams.mark(self._streams.consumer(), timing=True)
+    def asked(self, consumer: Any) -> Any:
+        """The loop asks for a batch: mark its stream, ``consumer``."""
+        return self._streams.mark(consumer, timing=True)
 
     def handed(self, asked: Any, consumer: Any) -> None:
         """The batch was handed over, its wait queued on ``consumer``."""

@@ -63,7 +63,7 @@ Example:
     >>> fake = FakeCuda()
     >>> with fake:
     ...     fake.side_waits_for(fake.consumer())
-    ...     with fake.on_side():
+    ...     with fake.on_side(fake.consumer()):
     ...         x = fake.copy(fake.pin(torch.zeros(4, dtype=torch.uint8)), non_blocking=True)
     ...         y = (x.float() - 1) / 2
     ...     ready = fake.mark(fake.side)
@@ -277,9 +277,22 @@ class FakeCuda:
         stream: Stream = getattr(self._tls, "stream", self.default)
         return stream
 
-    def on_side(self) -> contextlib.AbstractContextManager[None]:
-        """Context in which the calling thread's work is queued on `side`."""
-        return self.use(self.side)
+    @contextlib.contextmanager
+    def on_side(self, consumer: Stream) -> Iterator[None]:
+        """Context in which the calling thread's work is queued on `side`; on leaving,
+        ``consumer`` is current again, as the real one sets it back (it must be the current
+        stream at entry: `ModelError` otherwise, since the real one would then leave the caller
+        on a stream it never chose)."""
+        if consumer is not self.consumer():
+            raise ModelError(
+                f"on_side(consumer={consumer.name!r}) while the current stream is "
+                f"{self.consumer().name!r}"
+            )
+        self._tls.stream = self.side
+        try:
+            yield
+        finally:
+            self._tls.stream = consumer
 
     def side_waits_for(self, stream: Stream) -> None:
         """Queue, on `side`, a wait for all work queued so far on ``stream``."""

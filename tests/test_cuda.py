@@ -269,6 +269,23 @@ def test_cuda_sanitizer_finds_the_race_of_a_missing_fence() -> None:
     assert "CSAN detected a possible data race" in done.stderr, done.stderr[-4000:]
 
 
+def test_a_caller_on_its_own_stream_stays_on_it() -> None:
+    mine = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # untyped in torch
+    _, expected = _pair(device="cuda", mean=MEAN, std=STD)  # the CPU reference
+    got = []
+    with torch.cuda.stream(mine):
+        for x, y, _name in DataLoaderX(
+            Images(), batch_size=8, device="cuda", mean=MEAN, std=STD, device_prefetch=2
+        ):
+            assert torch.cuda.current_stream() == mine
+            got.append((x * 1, y))  # on `mine`, which waited for the copy
+    torch.cuda.synchronize()
+    assert len(got) == len(expected) == 3
+    for (x, y), (want_x, want_y, _name) in zip(got, expected, strict=True):
+        torch.testing.assert_close(x.cpu(), want_x)
+        assert torch.equal(y.cpu(), want_y)
+
+
 @pytest.mark.parametrize(("max_prefetch", "device_prefetch"), [(0, 0), (2, 1), (2, 3)])
 def test_resume_counts_batches_received_not_batches_on_the_device(
     max_prefetch: int, device_prefetch: int
@@ -398,8 +415,8 @@ def test_a_source_on_the_device_is_read_before_its_memory_is_reused(
         monkeypatch.setattr(Copying, "add", lambda self, host, event: None)
         start = DeviceStage._start
 
-        def forgetful(self: DeviceStage, host: Any) -> tuple[Any, Any, Any]:
-            batch, event, _ = start(self, host)
+        def forgetful(self: DeviceStage, host: Any, consumer: Any) -> tuple[Any, Any, Any]:
+            batch, event, _ = start(self, host, consumer)
             return batch, event, None
 
         monkeypatch.setattr(DeviceStage, "_start", forgetful)

@@ -40,7 +40,7 @@ class FakeStreams:
     def consumer(self) -> str:
         return "consumer"
 
-    def on_side(self) -> contextlib.AbstractContextManager[None]:
+    def on_side(self, consumer: str) -> contextlib.AbstractContextManager[None]:
         @contextlib.contextmanager
         def ctx() -> Iterator[None]:
             self.on_side_now = True
@@ -550,6 +550,29 @@ def test_against_the_model_nothing_races_under_a_slow_consumer(depth: int, sourc
         assert torch.equal(got, _expected(i) * 2 + i)
 
 
+@pytest.mark.parametrize("depth", [0, 1, 3])
+def test_against_the_model_a_caller_on_its_own_stream_stays_on_it(depth: int) -> None:
+    # The stage switches to its side stream and back inside next(): back means the caller's
+    # stream, not the default one, and the side waits for the caller's own stream.
+    fake = FakeCuda()
+    with fake:
+        mine = fake.new_stream("mine")
+        batches = [(fake.pin(x), fake.pin(torch.tensor([i]))) for i, x in enumerate(_images(6))]
+        results, streams = [], []
+        with fake.use(mine):
+            stage = _model_stage(fake, batches, depth)  # its constants made on `mine`, as prepare()
+            del batches
+            for x, y in stage:
+                streams.append(fake.consumer())
+                results.append(x * 2 + y.float().sum())  # queued on `mine`, never run
+                x.mul_(0)  # the caller writes to its batch, on its stream
+        fake.complete_all()
+    assert streams == [mine] * 6
+    assert fake.hazards == []
+    for i, got in enumerate(results):
+        assert torch.equal(got, _expected(i) * 2 + i)
+
+
 class _Planted(FakeCuda):
     """The model with the stage's protections removed by name."""
 
@@ -574,8 +597,8 @@ def _planted(removed: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> _Plan
     if "keep hosts" in removed:  # the stage forgets each host batch once its copy is queued
         start = DeviceStage._start
 
-        def forgetting(self: DeviceStage, host: Any) -> tuple[Any, Any, Any]:
-            batch, event, _ = start(self, host)
+        def forgetting(self: DeviceStage, host: Any, consumer: Any) -> tuple[Any, Any, Any]:
+            batch, event, _ = start(self, host, consumer)
             return batch, event, None
 
         monkeypatch.setattr(DeviceStage, "_start", forgetting)

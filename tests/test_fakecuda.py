@@ -30,7 +30,7 @@ def _start(
     """Queue one batch: copy it on the side stream and normalize it there."""
     if fence:
         fake.side_waits_for(fake.consumer())
-    with fake.on_side():
+    with fake.on_side(fake.consumer()):
         x = fake.copy(source, non_blocking=True)
         if protect_source and x is source:
             fake.protect(x, fake.side)  # a source already on the device is read on side
@@ -186,7 +186,7 @@ def test_a_side_write_to_a_block_the_consumer_reads_is_an_ordering_hazard() -> N
             step = buffer * 2  # the caller reads it
             if fence:
                 fake.side_waits_for(fake.consumer())
-            with fake.on_side():
+            with fake.on_side(fake.consumer()):
                 buffer.copy_(fake.copy(fake.pin(torch.ones(4, 8)), non_blocking=True))
             del step
         assert _kinds(fake) == expected
@@ -199,7 +199,7 @@ def _copy_then_free(pinned: str) -> FakeCuda:
     with fake:
         host = _host(1)
         host = fake.pin(host) if pinned == "allocator" else fake.user_pinned(host)
-        with fake.on_side():
+        with fake.on_side(fake.consumer()):
             fake.copy(host, non_blocking=True)
         del host  # freed while the copy is pending
     return fake
@@ -218,7 +218,7 @@ def test_a_host_buffer_written_during_its_copy_is_a_host_hazard() -> None:
     fake = FakeCuda()
     with fake:
         host = fake.pin(_host(1))
-        with fake.on_side():
+        with fake.on_side(fake.consumer()):
             fake.copy(host, non_blocking=True)
     host.fill_(7)  # the producer thread's refill, which the mode does not see
     assert _kinds(fake) == {"host hazard"}
@@ -227,7 +227,7 @@ def test_a_host_buffer_written_during_its_copy_is_a_host_hazard() -> None:
     done_first = FakeCuda()
     with done_first:
         host = done_first.pin(_host(1))
-        with done_first.on_side():
+        with done_first.on_side(done_first.consumer()):
             done_first.copy(host, non_blocking=True)
     done_first.complete(done_first.side)
     host.fill_(7)
@@ -241,7 +241,7 @@ def _sparse_batch(*, protect_parts: bool) -> FakeCuda:
         torch.tensor([[0, 2]]), torch.tensor([1.0, 2.0]), (4,), check_invariants=False
     )
     with fake:
-        with fake.on_side():
+        with fake.on_side(fake.consumer()):
             device = fake.copy(fake.pin(host), non_blocking=True)
         fake.wait(fake.default, fake.mark(fake.side))
         assert fake.is_local(device)
@@ -252,7 +252,7 @@ def _sparse_batch(*, protect_parts: bool) -> FakeCuda:
             fake.protect(device._values(), fake.default)
         step = device.to_dense()  # the caller reads both parts
         del device
-        with fake.on_side():
+        with fake.on_side(fake.consumer()):
             fake.copy(fake.pin(host), non_blocking=True)
         del step
     return fake
@@ -270,7 +270,7 @@ def test_protect_refuses_a_sparse_tensor_and_takes_its_parts() -> None:
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_protect_refuses_a_compressed_sparse_tensor() -> None:
     fake = FakeCuda()
-    with fake, fake.on_side():
+    with fake, fake.on_side(fake.consumer()):
         device = fake.copy(fake.pin(torch.eye(3).to_sparse_csr()), non_blocking=True)
         with pytest.raises(NotImplementedError, match="Cannot access storage"):
             fake.protect(device, fake.default)
@@ -345,7 +345,7 @@ def test_a_non_blocking_copy_from_pageable_memory_syncs_the_host(
     with fake:
         step = fake.on_device(torch.ones(2)) * 2  # the caller's queued work
         fake.side_waits_for(fake.consumer())
-        with fake.on_side():
+        with fake.on_side(fake.consumer()):
             fake.copy(_source(fake, kind), non_blocking=non_blocking)
         del step
     assert fake.host_syncs == syncs
@@ -441,7 +441,7 @@ def test_reuse_stays_within_the_stream_and_the_pool() -> None:
     pools: a 4 MiB block is not a candidate for a 32-byte request, but is for a 2 MiB one."""
     fake = FakeCuda()
     with fake:
-        with fake.on_side():
+        with fake.on_side(fake.consumer()):
             big = fake.copy(fake.pin(torch.zeros(1 << 20)), non_blocking=True)
         fake.wait(fake.default, fake.mark(fake.side))
         step = big * 2
@@ -449,10 +449,10 @@ def test_reuse_stays_within_the_stream_and_the_pool() -> None:
         other = fake.new_stream("other")
         with fake.use(other):
             fake.on_device(torch.zeros(1 << 20))
-        with fake.on_side():
+        with fake.on_side(fake.consumer()):
             fake.copy(fake.pin(_host()), non_blocking=True)
         assert fake.hazards == []
-        with fake.on_side():
+        with fake.on_side(fake.consumer()):
             fake.copy(fake.pin(torch.zeros(1 << 19)), non_blocking=True)
         del step
     assert _kinds(fake) == {"reuse hazard"}
