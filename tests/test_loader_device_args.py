@@ -221,6 +221,36 @@ def test_with_a_cuda_target_the_thread_makes_every_batch_after_the_first(
         assert torch.equal(ours["label"], theirs["label"])
 
 
+class Recorded(Images):
+    """`Images` that records each index it is asked for."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        self.asked.append(i)
+        return super().__getitem__(i)
+
+
+def _asked_while_held(loader: Any, dataset: Recorded) -> list[int]:
+    """How many items the dataset had made each time the loop held a batch."""
+    return [len(dataset.asked) for _ in loader]
+
+
+def test_with_a_cuda_target_and_no_thread_no_batch_is_made_ahead(fake_gpu: FakeCuda) -> None:
+    # device_prefetch copies ahead only what the thread has ready: with max_prefetch=0 each
+    # batch is made when asked, as DataLoader makes it (docs/configuration.md).
+    theirs = Recorded()
+    expected = _asked_while_held(DataLoader(theirs, batch_size=2), theirs)
+    ours = Recorded()
+    loader = DataLoaderX(ours, batch_size=2, device="cpu", max_prefetch=0, device_prefetch=1)
+    with fake_gpu:
+        got = _asked_while_held(loader, ours)
+        fake_gpu.complete_all()
+    assert got == expected == [2, 4, 6]
+    assert ours.asked == theirs.asked
+
+
 @dataclasses.dataclass
 class Pair:
     image: torch.Tensor
