@@ -158,9 +158,10 @@ class CudaStreams(Copies):
         """Context in which new work is queued on the side stream.
 
         ``consumer`` is the caller's current stream on this device, current again on leaving.
-        The stream of this device alone is switched, which is all that `torch.cuda.stream`
-        restores here too, at a fraction of its cost: it asks for the current stream twice,
-        6 to 8 us each on an H100's host, and took 17 us a batch (RESULTS.md, GPU).
+        Only this device's current stream changes; work queued for the target device runs on
+        its current stream whatever the current device is. `torch.cuda.stream` did the same
+        and asked for current streams on the way, 17 us a batch on an H100's host
+        (benchmarks/results/RESULTS.md, GPU).
         """
         torch.cuda.set_stream(self.side)
         try:
