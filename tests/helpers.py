@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from prefetchx._adapt import WINDOW, Chooser
+from prefetchx._device_stage import DeviceStage
 from prefetchx._engine import Channel
 
 T = TypeVar("T")
@@ -178,6 +179,18 @@ def wait_until(predicate: object, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return bool(predicate())
+
+
+def forget_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plant a fault: the device stage forgets each host batch once its copy is queued, so
+    nothing (neither its entry in flight nor `Copying`) holds it until the copy is done."""
+    start = DeviceStage._start
+
+    def forgetting(self: DeviceStage, host: Any, consumer: Any) -> tuple[Any, Any, Any]:
+        batch, event, _ = start(self, host, consumer)
+        return batch, event, None
+
+    monkeypatch.setattr(DeviceStage, "_start", forgetting)
 
 
 class ThreadGate:

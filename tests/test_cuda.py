@@ -16,7 +16,6 @@ import torch
 
 from prefetchx import DataLoaderX, Prefetcher
 from prefetchx._device import CudaStreams
-from prefetchx._device_stage import Copying, DeviceStage
 
 pytestmark = pytest.mark.cuda
 
@@ -412,14 +411,10 @@ def test_a_source_on_the_device_is_read_before_its_memory_is_reused(
     # and `Copying` after that. With `max_prefetch=0` nothing is in flight while the consumer
     # works (the next batch is made when asked), so on an H100 the planted arm could not fail.
     if not keep_hosts:
-        monkeypatch.setattr(Copying, "add", lambda self, host, event: None)
-        start = DeviceStage._start
+        # Imported here, as in `_sanitized`: a child loads this file and imports nothing from tests.
+        from tests.helpers import forget_hosts
 
-        def forgetful(self: DeviceStage, host: Any, consumer: Any) -> tuple[Any, Any, Any]:
-            batch, event, _ = start(self, host, consumer)
-            return batch, event, None
-
-        monkeypatch.setattr(DeviceStage, "_start", forgetful)
+        forget_hosts(monkeypatch)
     plain = torch.utils.data.DataLoader(Labelled(96, "cuda"), batch_size=4)
     prefetcher = Prefetcher(plain, device="cuda", mean=(0, 0, 0), std=(1, 1, 1), device_prefetch=2)
     prefetcher._pipeline._streams = Planted(

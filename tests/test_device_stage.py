@@ -19,6 +19,7 @@ from prefetchx._normalize import Normalize
 from prefetchx._stats import EpochStats
 from prefetchx._thread_stage import ThreadStage
 from tests.fakecuda import FakeCuda
+from tests.helpers import forget_hosts
 
 
 class FakeStreams:
@@ -594,14 +595,8 @@ class _Planted(FakeCuda):
 
 
 def _planted(removed: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> _Planted:
-    if "keep hosts" in removed:  # the stage forgets each host batch once its copy is queued
-        start = DeviceStage._start
-
-        def forgetting(self: DeviceStage, host: Any, consumer: Any) -> tuple[Any, Any, Any]:
-            batch, event, _ = start(self, host, consumer)
-            return batch, event, None
-
-        monkeypatch.setattr(DeviceStage, "_start", forgetting)
+    if "keep hosts" in removed:
+        forget_hosts(monkeypatch)
     return _Planted(*removed)
 
 
