@@ -47,9 +47,11 @@ class DeviceStage(Iterator[Any]):
       user pinned) is not freed under a copy in flight. Do not write into a batch's host memory
       after the dataset or collate function has returned it.
     * Depth: at most ``device_prefetch`` batches are on the device besides the one the caller
-      holds. Copies start only for host batches the thread stage already has waiting, right
-      after a batch is handed over; ``next()`` waits for the source only when nothing is in
-      flight. ``0`` copies each batch when it is asked for. Device memory held through
+      holds. Copies start right after a batch is handed over, for the host batches the thread
+      stage gives without waiting for its thread (`ThreadStage.take`): those its thread has
+      waiting, or, while the thread is parked, batches the caller makes then; ``next()`` waits
+      for the source only when nothing is in flight. ``0`` copies each batch when it is asked
+      for, and so does any depth with no thread (``max_prefetch=0``). Device memory held through
       ``record_stream`` is not counted: a batch's memory is reused only once the caller's work
       queued on it before it was freed is done, so a caller that runs ahead of the GPU holds
       the batches of every step it has queued.
@@ -69,11 +71,13 @@ class DeviceStage(Iterator[Any]):
     raised at once and loses nothing.
 
     This stage faces the loop, so it records the loop's wait and step in the thread stage's
-    `EpochStats`.
+    `EpochStats` and counts each outcome there (`ThreadStage.counted`): the thread stage
+    decides from those figures whether its thread runs.
 
     Args:
-        source: Host batches: the thread stage, which must neither park (``adaptive=False``)
-            nor have the caller make batches (``steal=False``).
+        source: Host batches: the thread stage, which must not have the caller make batches
+            while its thread runs (``steal=False``): a take that must not wait then finds
+            only batches the thread made.
         device: Where batches go.
         copies: How tensors get to ``device``: `CudaStreams`, or `Copies` where there are no
             streams.
@@ -167,6 +171,7 @@ class DeviceStage(Iterator[Any]):
             self.stats.warmup_s = returned_at - asked_at
         self._returned_at = returned_at
         self.stats.wait.add(returned_at - asked_at)
+        self._thread_stage.counted()
 
     def _finish(self) -> NoReturn:
         """Nothing in flight and nothing more upstream: the stage is done."""

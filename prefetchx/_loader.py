@@ -97,8 +97,9 @@ class DataLoaderX(DataLoader[T_co]):
         input_key: Which element of a batch is the input: an index of a tuple or list batch, a
             key of a dict batch, a field name; a bare tensor batch is the input.
         device_prefetch: Batches in flight on the device besides the caller's; each costs its
-            size in device memory. ``0`` copies on demand. Only batches the thread has ready
-            are copied ahead: with ``max_prefetch=0`` there are none.
+            size in device memory. ``0`` copies on demand. Copied ahead: the batches the thread
+            has ready, or while the loop is faster without it, the batches ``next()`` makes
+            after handing one over; with ``max_prefetch=0`` none is made ahead.
         non_blocking: Asynchronous copies (CUDA, from pinned memory). With a CUDA target the
             thread stage pins every CPU tensor leaf not pinned yet, so ``pin_memory`` keeps
             DataLoader's default; an explicit ``pin_memory=False`` turns that off and warns.

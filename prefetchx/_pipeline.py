@@ -94,17 +94,18 @@ class Pipeline:
         streams = self._side_streams()
         if streams is not None and self.pin_host:
             source = map(self._pin, source)  # in the thread: off the caller's
-        # The device stage takes only batches already waiting: a parked thread would leave it
-        # nothing to copy ahead. It pins in the thread alone, on the target device.
+        # The thread runs while it makes the loop faster, as on the CPU. While it runs, it makes
+        # and pins every batch (the caller waits for it); while it is parked, the caller makes
+        # the batches the device stage copies ahead, as the prefetchers of apex and timm do.
         thread = ThreadStage(
             source,
             self.max_prefetch,
             device=self.target,
-            adaptive=False,
             steal=False,
             stats=stats,
             reapable=reapable,
             limit=limit,
+            _memory=self.memory,
         )
         return DeviceStage(
             thread,

@@ -65,8 +65,8 @@ class Prefetcher(Generic[T]):
         dtype: Floating dtype of the input after normalization.
         channels_last: Return a 4-D input in channels_last memory format.
         input_key: Which element of a batch is the input.
-        device_prefetch: Batches in flight on the device besides the caller's; only batches
-            the thread has ready are copied ahead (none with ``max_prefetch=0``).
+        device_prefetch: Batches in flight on the device besides the caller's (none is made
+            ahead with ``max_prefetch=0``).
         non_blocking: Asynchronous copies (CUDA, from pinned memory).
 
     Raises:

@@ -501,7 +501,7 @@ class ThreadStage(Iterator[T], Generic[T]):
         self._add_wait(returned_at - asked_at)
         self._countdown -= 1
         if not self._countdown:
-            self._checkpoint()
+            self._checkpoint()  # `counted`, written out
         if value.__class__ is Failure:
             self.stats.errors += 1
             # The traceback keeps this frame: it must not keep the stage (and its thread) alive.
@@ -513,19 +513,47 @@ class ThreadStage(Iterator[T], Generic[T]):
         """The next outcome, for a stage composed after this one; a loop uses ``next()``.
 
         Returns an item; for an exception, a value that holds it (not raised: that stage
-        raises it in its turn); or, when ``block`` is false and nothing is ready yet, a marker
-        saying so. Raises `StopIteration` at the end. An interrupt while waiting is raised and
-        loses nothing.
+        raises it in its turn); or, when ``block`` is false and there is none to be had, a
+        marker saying so. Raises `StopIteration` at the end. An interrupt
+        while waiting is raised and loses nothing.
+
+        ``block`` false asks for an outcome ahead of the loop, to work on it early: one the
+        thread has ready, never one it is making (with ``steal=False``); while the caller makes
+        the items (the thread parked or not started yet, where ``max_prefetch`` allows one),
+        the item made here and now, as the thread would have made it ahead, but never the
+        source's call past ``limit``, which stays the loop's own.
         """
-        if self._inline:
-            if block or self._source is None:
-                return self._make_here()
-            return Signal.NOT_READY
+        if not self._inline:
+            producer = self._producer
+            assert producer is not None  # threaded only once started
+            if not block and producer.queue.empty():  # one consumer: not empty: get won't wait
+                return Signal.NOT_READY
+            value = self._from_queue(make=block)
+            if value is not Signal.NOT_READY:
+                return value
+            # The thread has parked: ahead of the loop, the caller makes the items now.
+        if block or self._source is None:
+            return self._make_here()
+        if self._chooser is None or self._calls() >= self._limit:
+            return Signal.NOT_READY  # no thread, so nothing ahead; or the loop's own call
+        return self._make_here()
+
+    def _calls(self) -> int:
+        """Calls of the source made so far, by the caller and the thread."""
         producer = self._producer
-        assert producer is not None  # threaded only once started
-        if not block and producer.queue.empty():  # one consumer: not empty means get won't wait
-            return Signal.NOT_READY
-        return self._from_queue()
+        return self._made + (producer.calls if producer is not None else 0)
+
+    def counted(self) -> None:
+        """For a stage composed after this one: it has handed the loop one outcome.
+
+        That stage faces the loop, so it records the loop's wait and step in `stats`; calling
+        this once per outcome, after them, ends the measured windows on which the stage
+        decides between the thread and the caller, and folds the meter's samples, as
+        ``next()`` does for a loop that uses this stage directly.
+        """
+        self._countdown -= 1
+        if not self._countdown:
+            self._checkpoint()
 
     def _make_here(self) -> Any:
         """The next outcome, made in the caller's thread: the epoch's first item (the thread
@@ -586,8 +614,12 @@ class ThreadStage(Iterator[T], Generic[T]):
         self._finalizer.atexit = False  # exit has its own, bounded wait (_at_exit)
         self._inline = False
 
-    def _from_queue(self) -> Any:
-        """The next value from the thread: an item or a `Failure`; `StopIteration` at the end."""
+    def _from_queue(self, make: bool = True) -> Any:
+        """The next value from the thread: an item or a `Failure`; `StopIteration` at the end.
+
+        Where the thread has parked, the caller makes the next item, or with ``make`` false
+        (a take that must not wait) gets `Signal.NOT_READY`.
+        """
         producer = self._producer
         assert producer is not None  # only inline mode runs without a producer
         waiting = producer.queue.qsize()
@@ -610,7 +642,7 @@ class ThreadStage(Iterator[T], Generic[T]):
             if value is Signal.PAUSED:
                 self._pausing = False
                 self._inline = True  # parked, or ended at its limit: the caller makes the next
-                return self._make_here()
+                return self._make_here() if make else Signal.NOT_READY
             if value.__class__ is Signal:  # END, or STOPPED after a close
                 self._end(value is Signal.END)
                 raise StopIteration

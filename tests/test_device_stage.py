@@ -12,11 +12,12 @@ from typing import Any
 import pytest
 import torch
 
+from prefetchx._adapt import WINDOW
 from prefetchx._device import Copies
 from prefetchx._device_stage import DeviceStage, _outliving
 from prefetchx._engine import Failure, Signal
 from prefetchx._normalize import Normalize
-from prefetchx._stats import EpochStats
+from prefetchx._stats import FOLD_EVERY, EpochStats
 from prefetchx._thread_stage import ThreadStage
 from tests.fakecuda import FakeCuda
 from tests.helpers import forget_hosts
@@ -128,6 +129,7 @@ class Upstream:
         self.pulled = 0
         self.stats = EpochStats()
         self.closed = False
+        self.counts = 0  # outcomes the device stage said it handed over
 
     def take(self, block: bool) -> Any:
         if self.closed:
@@ -146,6 +148,9 @@ class Upstream:
 
     def close(self) -> None:
         self.closed = True
+
+    def counted(self) -> None:
+        self.counts += 1
 
     producer_alive = False
     thread = None
@@ -366,6 +371,21 @@ def test_over_a_real_thread_stage_the_outcomes_are_the_sources(
     assert _outcomes(stage) == expected
     assert stage.tally.ended
     assert stage.stats.batches == 11
+
+
+def test_over_a_thread_stage_the_meter_folds_its_samples_as_the_epoch_goes() -> None:
+    # The device stage faces the loop and counts each outcome in the thread stage, which folds
+    # the meter's samples at its windows' ends: uncounted, they piled up all epoch, 5 a batch.
+    n = 3 * FOLD_EVERY
+    thread = ThreadStage(iter([torch.tensor([i]) for i in range(n)]), 2, steal=False)
+    stage = _stage(thread, FakeStreams())
+    stats = stage.stats
+    peak = 0
+    for _ in stage:
+        series = (stats.wait, stats.step, stats.produce, stats.occupancy, stats.gpu_idle)
+        peak = max(peak, *(len(s.pending) for s in series))
+    assert peak <= FOLD_EVERY + WINDOW
+    assert stats.batches == n
 
 
 def test_a_source_already_on_the_device_is_not_copied_and_protected_for_the_side_stream() -> None:

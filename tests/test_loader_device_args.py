@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -249,6 +250,103 @@ def test_with_a_cuda_target_and_no_thread_no_batch_is_made_ahead(fake_gpu: FakeC
         fake_gpu.complete_all()
     assert got == expected == [2, 4, 6]
     assert ours.asked == theirs.asked
+
+
+class Failing(Images):
+    """`Images` of ``n`` items whose item ``fail_at`` raises, as a bad file does; each item
+    takes ``delay`` seconds."""
+
+    def __init__(self, n: int, fail_at: int | None = None, delay: float = 0.0) -> None:
+        self.n, self.fail_at, self.delay = n, fail_at, delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if self.delay:
+            time.sleep(self.delay)
+        if i == self.fail_at:
+            raise ValueError(f"item {i} is bad")
+        return {"image": torch.full((3, 2, 2), i, dtype=torch.uint8), "label": i}
+
+
+def _outcomes(loader: Any, step: float = 0.0) -> list[Any]:
+    """Each ``next()``'s batch (its labels and images), or the error it raised; ``step``
+    seconds of sleep after each, as a step."""
+    out: list[Any] = []
+    it = iter(loader)
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            break
+        except ValueError as exc:
+            out.append(str(exc))
+        else:
+            out.append(batch)  # read after the loop: reading is a step
+        if step:
+            time.sleep(step)
+    return [b if isinstance(b, str) else (b["label"].tolist(), b["image"]) for b in out]
+
+
+def _same(got: list[Any], expected: list[Any]) -> None:
+    assert len(got) == len(expected)
+    for ours, theirs in zip(got, expected, strict=True):
+        if isinstance(theirs, str):
+            assert ours == theirs
+        else:
+            assert ours[0] == theirs[0]
+            assert torch.equal(ours[1], theirs[1])
+
+
+@pytest.mark.usefixtures("both_modes")
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_with_a_cuda_target_the_outcomes_are_dataloaders_while_the_thread_comes_and_goes(
+    fake_gpu: FakeCuda, depth: int
+) -> None:
+    # Switching, the thread parks every other batch with batches in flight on the device; the
+    # device stage then copies each batch when asked, and goes on copying ahead once the thread
+    # is back. Nothing is lost, reordered or raced, and an error comes in its turn.
+    expected = _outcomes(DataLoader(Failing(40, fail_at=13), batch_size=2))
+    loader = DataLoaderX(Failing(40, fail_at=13), batch_size=2, device="cpu", device_prefetch=depth)
+    with fake_gpu:
+        got = _outcomes(loader)
+        fake_gpu.complete_all()
+    _same(got, expected)
+    assert fake_gpu.hazards == []
+    assert fake_gpu.host_syncs == 0
+
+
+@pytest.mark.adaptive
+def test_with_a_cuda_target_a_loop_with_no_step_makes_its_batches_itself(
+    fake_gpu: FakeCuda,
+) -> None:
+    # A thread would hide nothing, so it never starts: every batch is made and pinned in the
+    # loop's thread, as DataLoader makes them, and copied when asked.
+    expected = _outcomes(DataLoader(Failing(60, fail_at=31), batch_size=2))
+    loader = DataLoaderX(Failing(60, fail_at=31), batch_size=2, device="cpu")
+    with fake_gpu:
+        got = _outcomes(loader)
+        fake_gpu.complete_all()
+    _same(got, expected)
+    me = threading.current_thread().name
+    assert set(fake_gpu.pinned_in) == {me}  # type: ignore[attr-defined]
+    assert loader.stats.inline_batches == 30
+    assert fake_gpu.hazards == []
+
+
+@pytest.mark.adaptive
+def test_with_a_cuda_target_a_thread_that_hides_the_data_takes_over(fake_gpu: FakeCuda) -> None:
+    # 2 ms of data and 2 ms of step a batch: the thread halves the loop's time, and wins.
+    expected = _outcomes(DataLoader(Failing(120), batch_size=2))
+    loader = DataLoaderX(Failing(120, delay=0.001), batch_size=2, device="cpu")
+    with fake_gpu:
+        got = _outcomes(loader, step=0.002)
+        fake_gpu.complete_all()
+    _same(got, expected)
+    pinned = fake_gpu.pinned_in[2 * 24 :]  # type: ignore[attr-defined]  # past the first probe
+    assert pinned.count("prefetchx-thread") > len(pinned) / 2, pinned
+    assert fake_gpu.hazards == []
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ import pytest
 
 from prefetchx import EpochStats, ThreadStage, _engine
 from prefetchx._adapt import CLEAR_GROWTH, Chooser, Memory
-from prefetchx._engine import Channel, Failure
+from prefetchx._engine import Channel, Failure, Signal
 from prefetchx._thread_stage import MAX_PATIENCE
 from tests.helpers import Switching, ThreadGate, wait_until
 
@@ -985,3 +985,71 @@ def test_the_thread_ends_once_the_limit_is_spent() -> None:
     assert next(stage) == 5  # and the next call is the caller's own
     assert source.callers[5] == "MainThread"
     stage.close()
+
+
+# --- a stage composed after this one (the device stage) ------------------------------------------
+
+
+class _Asked(_Callers):
+    """`_Callers` that also records, for each call, whether a take ahead made it."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.taking_ahead = False
+        self.ahead: list[bool] = []
+
+    def __next__(self) -> int:
+        self.ahead.append(self.taking_ahead)
+        return super().__next__()
+
+
+def _take_as_the_device_stage(stage: ThreadStage[int], source: _Asked) -> list[int]:
+    """What the device stage does with ``device_prefetch=1``: with each outcome it hands over,
+    a take ahead for the next one, then the count; a blocking take only with nothing ahead."""
+    got: list[int] = []
+    ahead: list[Any] = []
+    while True:
+        try:
+            got.append(ahead.pop() if ahead else stage.take(block=True))
+        except StopIteration:
+            return got
+        source.taking_ahead = True
+        try:
+            value = stage.take(block=False)
+        except StopIteration:
+            return got
+        finally:
+            source.taking_ahead = False
+        if value is not Signal.NOT_READY:
+            ahead.append(value)
+        stage.counted()
+
+
+def test_a_take_ahead_is_made_by_the_caller_while_it_makes_the_items(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The thread and the caller take turns every other item. A take ahead gets what the thread
+    # made, or, while the caller makes the items, the item made then and there: the device
+    # stage copies ahead in both modes. Never the call past the limit: that stays the loop's.
+    monkeypatch.setattr("prefetchx._thread_stage.Chooser", Switching)
+    source = _Asked(40)
+    stage = ThreadStage(source, max_prefetch=2, steal=False, limit=30, name="worker")
+    assert _take_as_the_device_stage(stage, source) == list(range(40))
+    made_ahead_here = [
+        i
+        for i, (ahead, name) in enumerate(zip(source.ahead, source.callers, strict=False))
+        if ahead and name == "MainThread"
+    ]
+    assert made_ahead_here, source.callers  # the caller made items ahead while inline
+    assert max(made_ahead_here) < 30
+    assert "worker" in source.callers  # and the thread took its turns
+    assert "worker" not in source.callers[30:]
+    assert not any(source.ahead[30:])  # past the limit, each call is a blocking take's
+
+
+def test_without_a_thread_a_take_ahead_makes_nothing() -> None:
+    # max_prefetch=0: each item is made when the loop asks, as DataLoader makes it.
+    source = _Asked(5)
+    stage = ThreadStage(source, max_prefetch=0, steal=False)
+    assert _take_as_the_device_stage(stage, source) == list(range(5))
+    assert not any(source.ahead)
