@@ -203,16 +203,13 @@ class CudaStreams(Copies):
         return float(start.elapsed_time(end)) / 1e3
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` in page-locked memory from torch's caching host allocator.
+        """``tensor`` in page-locked memory from torch's caching host allocator, or ``tensor``
+        itself where it is page-locked already.
 
         That allocator records every asynchronous copy from its blocks and reuses a block only
         once the copies from it are done.
         """
         return tensor.pin_memory()
-
-    def is_pinned(self, tensor: torch.Tensor) -> bool:
-        """Whether a CPU ``tensor`` is page-locked already."""
-        return tensor.is_pinned()
 
 
 def dense_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:

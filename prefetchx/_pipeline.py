@@ -127,13 +127,15 @@ class Pipeline:
         A copy from pageable memory cannot be asynchronous: the driver stages it, and behind the
         side stream's fence the host may wait for the caller's queued work. DataLoader's own
         ``pin_memory`` skips some batches (dataclasses) and needs CPU tensors; this pins every
-        CPU leaf that is not pinned yet, whatever the batch's structure, and leaves the rest.
+        CPU leaf, whatever the batch's structure, and leaves the rest. A leaf pinned already
+        (by the user) comes back as it is: ``pin_memory`` checks that itself, so asking first
+        would only cost a second call per leaf.
         """
         streams = self._streams
         assert streams is not None  # only built over a CUDA target
 
         def pin(tensor: torch.Tensor) -> torch.Tensor:
-            if tensor.device.type != "cpu" or streams.is_local(tensor) or streams.is_pinned(tensor):
+            if tensor.device.type != "cpu" or streams.is_local(tensor):
                 return tensor
             return streams.pin(tensor)
 

@@ -101,10 +101,12 @@ class Recorded(CudaStreams):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self.pinned: list[bool] = []
+        self.sources: list[int] = []  # the address of each host tensor copied
         self.threads: set[str] = set()
 
     def copy(self, tensor: torch.Tensor, non_blocking: bool) -> torch.Tensor:
         self.pinned.append(tensor.is_pinned())
+        self.sources.append(tensor.data_ptr())
         return super().copy(tensor, non_blocking)
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -133,6 +135,18 @@ def test_every_host_leaf_is_pinned_in_the_thread_before_its_copy(collate: str) -
     assert streams.pinned
     assert all(streams.pinned)
     assert streams.threads <= {"prefetchx-thread", threading.main_thread().name}
+
+
+def test_a_leaf_the_user_pinned_is_copied_from_the_users_memory() -> None:
+    # The thread pins every host leaf with pin_memory alone, which hands a leaf pinned already
+    # back as it is: no second copy of it in host memory.
+    pinned = torch.arange(64, dtype=torch.float32).pin_memory()
+    loader = DataLoaderX([pinned, pinned], batch_size=None, device="cuda")
+    streams = Recorded(torch.device("cuda", torch.cuda.current_device()))
+    loader._pipeline._streams = streams
+    got = list(loader)
+    assert streams.sources == [pinned.data_ptr()] * 2
+    assert all(torch.equal(batch.cpu(), pinned) for batch in got)
 
 
 def test_pin_memory_false_copies_from_pageable_memory() -> None:

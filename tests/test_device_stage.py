@@ -94,9 +94,6 @@ class FakeStreams:
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.clone()
 
-    def is_pinned(self, tensor: torch.Tensor) -> bool:
-        return False
-
     def entries(self, *kinds: str) -> list[tuple[Any, ...]]:
         return [entry for entry in self.log if entry[0] in kinds]
 
