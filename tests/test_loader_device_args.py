@@ -203,8 +203,9 @@ def _on_model_device(fake: FakeCuda, normalize: Normalize) -> None:
 def test_with_a_cuda_target_the_thread_makes_every_batch_after_the_first(
     fake_gpu: FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The device stage pins and copies only what the thread made, on the target device: its
-    # caller waits for a thread that is late (a CPU target's would make the batch itself).
+    # While the thread runs (conftest keeps it running), the device stage pins and copies only
+    # what the thread made, on the target device: its caller waits for a thread that is late
+    # (a CPU target's would make the batch itself).
     expected = list(DataLoader(Images(), batch_size=2))
     loader = DataLoaderX(Images(), batch_size=2, device="cpu", input_key="image")
     gate = ThreadGate(monkeypatch)
