@@ -514,8 +514,8 @@ class ThreadStage(Iterator[T], Generic[T]):
 
         Returns an item; for an exception, a value that holds it (not raised: that stage
         raises it in its turn); or, when ``block`` is false and there is none to be had, a
-        marker saying so. Raises `StopIteration` at the end. An interrupt
-        while waiting is raised and loses nothing.
+        marker saying so. Raises `StopIteration` at the end. An interrupt while waiting is
+        raised and loses nothing.
 
         ``block`` false asks for an outcome ahead of the loop, to work on it early: one the
         thread has ready, never one it is making (with ``steal=False``); while the caller makes
@@ -693,7 +693,7 @@ class ThreadStage(Iterator[T], Generic[T]):
             producer.queue.wake_producer()  # now, if it has backed off
         elif producer is None:
             self._start()
-        elif self._made + producer.calls >= self._limit:
+        elif self._calls() >= self._limit:
             self._chooser = None  # past the limit the caller makes every item: nothing to decide
         else:
             self._inline = False
