@@ -33,6 +33,10 @@ MAX_PATIENCE = 64
 (see `_Producer.make`): a loop that steals every item from a thread that cannot keep up (no
 step, a fast source) wakes it about once in this many items."""
 
+PARK_WAIT = 0.005
+"""Seconds the consumer lets go of the GIL, at most, for a thread it has taken the source back
+from to park (see `_Producer.take_back`)."""
+
 _SPECIAL = (Signal, Failure, Warned)
 """Queue values that are not plain items."""
 
@@ -106,6 +110,11 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
         self.stop_event = threading.Event()
         self.pause_requested = threading.Event()
         self.resume_event = threading.Event()
+        self.parked = threading.Event()
+        """Set while the thread waits in `_park`."""
+        self.handed_back = False
+        """Whether the source is the consumer's since ``pause_requested`` was last set: the
+        thread handed it back (`Signal.PAUSED`) or the consumer took it (`take_back`)."""
         self.calls = 0
         """Calls of the source started, for the reaper and the limit."""
         self.allowed = allowed
@@ -155,7 +164,7 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
     def _produce(self) -> None:
         # The source stays in self.generator, read under source_lock for each call, so that a
         # stop while the thread is not inside it can release it at once (see `_let_go`).
-        stop, q, produce, lock = self.stop_event, self.queue, self._stats.produce, self.source_lock
+        stop, q, lock = self.stop_event, self.queue, self.source_lock
         held = capture_in_this_thread()
         try:
             if self._device is not None:
@@ -163,10 +172,6 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
                 # this thread when num_workers=0) must run on the target device.
                 set_thread_device(self._device)
             while q.room(stop):  # before the call: the thread never waits with an item in hand
-                if self.pause_requested.is_set():
-                    if not self._park():
-                        return
-                    continue
                 value: Any
                 self.retreated = True  # before the try, so that a consumer that wins sees it
                 if not lock.acquire(blocking=False):
@@ -176,39 +181,13 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
                     self.backed_off, self.patience = False, 1
                 self.retreated = False
                 try:
-                    source = self.generator
-                    if source is None or stop.is_set():
-                        return  # released by a stop, or ended by the consumer (see `make`)
-                    if self.calls >= self.allowed:
-                        # Past the limit the caller makes every call: hand the source back.
-                        q.put(Signal.PAUSED)
-                        return
-                    start = time.perf_counter()
-                    self.calls += 1
-                    self.in_source = True
-                    try:
-                        value = next(source)
-                    except StopIteration:
-                        value = Signal.END
-                    except BaseException as exc:
-                        if stop.is_set():
-                            discard(exc)
-                            return  # nobody will take it (a Reaped, or a failure after the stop)
-                        value = Failure(exc)
-                    else:
-                        produce.add(time.perf_counter() - start)
-                    finally:
-                        self.in_source = False
-                        source = None
-                    if held:
-                        value = Warned(value, held[:])
-                        held.clear()
-                    # Put before the lock is let go: a consumer that takes it finds every item
-                    # made so far in the channel, so an item it makes itself is the next one.
-                    q.put(value)
+                    value = self._turn(held)
                 finally:
                     lock.release()
-                if value is Signal.END:
+                if value is Signal.PAUSED:
+                    if not self._park():
+                        return
+                elif value is Signal.END or value is Signal.STOPPED:
                     return
                 del value
         except BaseException as exc:  # in this loop itself, not in the source: the stage ends
@@ -224,6 +203,56 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
                 # A put that raced with the stop would keep its batch, or an exception whose
                 # traceback holds the source, for as long as this thread object lives.
                 self.queue.drain()
+
+    def _turn(self, held: list[Any]) -> Any:
+        """The thread's next turn, under ``source_lock``: one call of the source, its outcome
+        put on the channel; or, in its place, what the thread does now.
+
+        Returns:
+            The value put on the channel (`Signal.END` ends the thread); `Signal.PAUSED`: park
+            (the source is the consumer's until it resumes the thread); `Signal.STOPPED`: end,
+            without another word.
+        """
+        q, stop = self.queue, self.stop_event
+        source = self.generator
+        if source is None or stop.is_set():
+            return Signal.STOPPED  # released by a stop, or ended by the consumer (see `make`)
+        if self.pause_requested.is_set():
+            # Asked under the lock, so that no call starts once the consumer has asked: the
+            # consumer may even have taken the source back already (see `take_back`).
+            if not self.handed_back:
+                self.handed_back = True
+                q.put(Signal.PAUSED)  # in order: after every item made so far
+            return Signal.PAUSED
+        if self.calls >= self.allowed:
+            # Past the limit the caller makes every call: hand the source back, and end.
+            q.put(Signal.PAUSED)
+            return Signal.STOPPED
+        value: Any
+        start = perf_counter()
+        self.calls += 1
+        self.in_source = True
+        try:
+            value = next(source)
+        except StopIteration:
+            value = Signal.END
+        except BaseException as exc:
+            if stop.is_set():
+                discard(exc)
+                return Signal.STOPPED  # nobody will take it (a Reaped, or a failure after the stop)
+            value = Failure(exc)
+        else:
+            self._stats.produce.add(perf_counter() - start)
+        finally:
+            self.in_source = False
+            source = None
+        if held:
+            value = Warned(value, held[:])
+            held.clear()
+        # Put before the lock is let go: a consumer that takes it finds every item made so far
+        # in the channel, so an item it makes itself is the next one.
+        q.put(value)
+        return value
 
     def _back_off(self) -> None:
         """The consumer is making the next item itself: wait until it says when to try again.
@@ -294,18 +323,55 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
         del source
 
     def _park(self) -> bool:
-        """Hand the source to the consumer and wait until it is handed back or stop is set."""
-        self.queue.put(Signal.PAUSED)
-        while not self.resume_event.wait(POLL_INTERVAL):
-            if self.stop_event.is_set():
-                return False
+        """Wait, the source handed to the consumer, until it is handed back or stop is set.
+
+        The wait is not timed: a thread that woke now and then to look would need the GIL each
+        time, and a loop that holds the GIL and lets go of it only for moments may keep it
+        from getting it for the rest of the epoch, every moment of which it then slows (each
+        release wakes it to try again). `resume` and `stop` both set ``resume_event``.
+        """
+        self.parked.set()
+        self.resume_event.wait()
+        self.parked.clear()
         self.resume_event.clear()
         return not self.stop_event.is_set()
 
+    def take_back(self) -> bool:
+        """For a consumer that has asked the thread to park (``pause_requested``): take the
+        source back now, if the thread is not inside a call and has queued nothing.
+
+        The thread would hand it back itself, with `Signal.PAUSED` after the items it queued,
+        but only once it gets the GIL; and a loop that holds the GIL, letting go of it only for
+        moments, may keep it from getting it for many milliseconds, each slowed by a thread
+        that tries. Taken back under ``source_lock`` with nothing queued, the source is the
+        consumer's from its next call on, in order: the thread asks for ``pause_requested``
+        under the same lock before each call. Then the consumer lets go of the GIL until the
+        thread has parked, at most `PARK_WAIT`: a few microseconds of the thread's time, where
+        a thread left trying for the GIL would cost the loop a share of every batch.
+
+        Returns:
+            Whether the source is the consumer's now.
+        """
+        lock = self.source_lock
+        if not lock.acquire(blocking=False):
+            return False  # the thread is making an item, or parking: it says so in the channel
+        try:
+            if self.handed_back or not self.queue.empty():
+                return False  # items are queued, or the PAUSED after them: the consumer takes them
+            self.handed_back = True
+        finally:
+            lock.release()
+        if not self.parked.is_set():
+            self.queue.wake_producer()  # from a nap or a wait for room: it parks from there
+            self.parked.wait(PARK_WAIT)
+        return True
+
     def resume(self) -> None:
         """Give the source back to the thread (the consumer no longer calls it)."""
+        self.handed_back = False
         self.pause_requested.clear()  # before the wake-up, or the thread would park again
         self.resume_event.set()
+        self.queue.wake_producer()  # a thread that had not parked yet may be asleep elsewhere
 
     def stop(self) -> None:
         """Ask the thread to stop and free the values it queued; never waits for the thread.
@@ -526,11 +592,12 @@ class ThreadStage(Iterator[T], Generic[T]):
         if not self._inline:
             producer = self._producer
             assert producer is not None  # threaded only once started
-            if not block and producer.queue.empty():  # one consumer: not empty: get won't wait
+            if block or not producer.queue.empty():  # one consumer: not empty: get won't wait
+                value = self._from_queue(make=block)
+                if value is not Signal.NOT_READY:
+                    return value
+            elif not (self._pausing and self._reclaim()):
                 return Signal.NOT_READY
-            value = self._from_queue(make=block)
-            if value is not Signal.NOT_READY:
-                return value
             # The thread has parked: ahead of the loop, the caller makes the items now.
         if block or self._source is None:
             return self._make_here()
@@ -623,15 +690,19 @@ class ThreadStage(Iterator[T], Generic[T]):
         producer = self._producer
         assert producer is not None  # only inline mode runs without a producer
         waiting = producer.queue.qsize()
-        if not waiting and self._steal:
-            # Nothing ready: make the next item here if the thread is not making it (asleep,
-            # or not yet running again), rather than wait for it to wake.
-            value = producer.make()
-            if value is not Signal.NOT_READY:
-                if value is Signal.END:
-                    self._end()
-                    raise StopIteration
-                return value
+        if not waiting:
+            if self._pausing:
+                if self._reclaim():  # not waiting for the thread to park: it may lack the GIL
+                    return self._make_here() if make else Signal.NOT_READY
+            elif self._steal:
+                # Nothing ready: make the next item here if the thread is not making it
+                # (asleep, or not yet running again), rather than wait for it to wake.
+                value = producer.make()
+                if value is not Signal.NOT_READY:
+                    if value is Signal.END:
+                        self._end()
+                        raise StopIteration
+                    return value
         # An interrupt here (Ctrl-C, DataLoader's dead-worker signal) propagates; the thread
         # keeps the value it was making, so the next call gets it.
         value = producer.queue.get(producer, producer.stop_event)
@@ -650,6 +721,17 @@ class ThreadStage(Iterator[T], Generic[T]):
             self.close()  # the thread died without a last word (see Channel.get): nothing follows
         self._add_occupancy(waiting)
         return value
+
+    def _reclaim(self) -> bool:
+        """While the thread is asked to park: the source is the caller's now if the thread
+        has queued nothing and is not inside a call (see `_Producer.take_back`)."""
+        producer = self._producer
+        assert producer is not None  # asked to park only once started
+        if not producer.take_back():
+            return False
+        self._pausing = False
+        self._inline = True
+        return True
 
     def _end(self, natural: bool = True) -> None:
         """The source is exhausted (``natural``), or the stage was stopped: finish."""
@@ -689,8 +771,10 @@ class ThreadStage(Iterator[T], Generic[T]):
         if not threaded:
             assert producer is not None  # threaded only once started
             self._pausing = True
-            producer.pause_requested.set()  # the thread answers with Signal.PAUSED, in order
-            producer.queue.wake_producer()  # now, if it has backed off
+            # The thread answers with Signal.PAUSED after the items it has queued, or the
+            # caller takes the source back once it has taken them (`_reclaim`). Not woken here:
+            # a thread asleep is no cost to the loop, one trying for the GIL may be.
+            producer.pause_requested.set()
         elif producer is None:
             self._start()
         elif self._calls() >= self._limit:

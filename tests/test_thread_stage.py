@@ -521,12 +521,10 @@ def test_switching_every_other_item_loses_and_reorders_nothing(
         assert outcomes(stage) == expected
         assert stage._chooser is not None
         switches = stage._chooser.switches
+    assert switches > 8  # with steal too: the caller takes the source back without the thread
     if not steal:
-        assert switches > 8
         me = threading.current_thread().name
         assert 5 < source.threads.count(me) < 35  # both made items
-    # With steal, the caller makes what the thread has not started, in order: a thread that
-    # does not get the GIL before the epoch ends parks late or never, and the switch waits.
 
 
 def _then_inline(threaded_items: int) -> type[Chooser]:
@@ -554,6 +552,71 @@ def test_close_while_inline_stops_the_parked_thread(monkeypatch: pytest.MonkeyPa
     assert stage.producer_alive  # parked, not gone
     stage.close()
     assert not stage.producer_alive
+
+
+class _Counting(Chooser):
+    """Threaded for the 4 items after the first, then inline for good; counts its windows."""
+
+    windows = 0
+
+    def start(self) -> tuple[bool, int]:
+        self.threaded = True
+        return True, 4
+
+    def window(self, period: float, means: Any) -> tuple[bool, int]:
+        type(self).windows += 1
+        self.threaded = False
+        return False, 4
+
+
+@pytest.mark.parametrize("steal", [False, True])
+def test_the_caller_takes_the_source_back_from_a_thread_that_cannot_run(
+    steal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A loop that holds the GIL can keep the thread from running for the rest of an epoch. The
+    # caller then goes on alone at once, and the choice goes on being made, rather than wait
+    # for the thread to park (before: it waited, and no window after the switch was measured).
+    # Without steal, the caller waits for the thread's first items, so the thread can run, and
+    # the case checks the order where both ways of handing the source back can happen.
+    monkeypatch.setattr("prefetchx._thread_stage.Chooser", _Counting)
+    monkeypatch.setattr(_Counting, "windows", 0)
+    monkeypatch.setattr("prefetchx._thread_stage.PARK_WAIT", 0.0)
+    gate = ThreadGate(monkeypatch)  # the thread cannot make an item
+    source = Flaky(60, fail_at={9: ValueError("nine")}, warn_at={12})
+    stage = ThreadStage(source, max_prefetch=2, steal=steal)
+    if not steal:
+        threading.Timer(0.2, gate.open.set).start()  # it waits for the thread's first items
+    got = outcomes(stage, 40)
+    assert _Counting.windows >= 8  # one every 4 items after the switch
+    gate.open.set()
+    got += outcomes(stage)
+    assert got == outcomes(Flaky(60, fail_at={9: ValueError("nine")}, warn_at={12}))
+    made_by_thread = source.threads.count("prefetchx-thread")
+    if steal:
+        assert made_by_thread == 0
+    else:  # its first 4, and at most as many ahead as its queue holds; nothing after that
+        assert 4 <= made_by_thread <= 4 + 3
+        assert source.threads[1 + made_by_thread :] == ["MainThread"] * (59 - made_by_thread)
+    assert wait_until(lambda: not stage.producer_alive)
+
+
+def test_a_thread_the_source_was_taken_back_from_is_parked_before_the_caller_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A thread left trying for the GIL would slow each of the caller's batches: the caller lets
+    # go of the GIL until it has parked.
+    monkeypatch.setattr("prefetchx._thread_stage.Chooser", _Counting)
+    monkeypatch.setattr("prefetchx._thread_stage.PARK_WAIT", 30.0)
+    gate = ThreadGate(monkeypatch)
+    source = Flaky(100)
+    stage = ThreadStage(source, max_prefetch=2)
+    assert [next(stage) for _ in range(5)] == list(range(5))  # made by the caller: held thread
+    producer = _started(stage)
+    threading.Timer(0.2, gate.open.set).start()
+    assert next(stage) == 5  # the switch: taken back, and the thread let in to park
+    assert producer.parked.is_set()
+    assert list(stage) == list(range(6, 100))
+    assert source.threads == ["MainThread"] * 100
 
 
 def test_adaptive_off_keeps_the_thread() -> None:
