@@ -35,7 +35,7 @@ step, a fast source) wakes it about once in this many items."""
 
 PARK_WAIT = 0.005
 """Seconds the consumer lets go of the GIL, at most, for a thread it has taken the source back
-from to park (see `_Producer.take_back`)."""
+from to park (see `_Producer.let_park`)."""
 
 _SPECIAL = (Signal, Failure, Warned)
 """Queue values that are not plain items."""
@@ -345,9 +345,8 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
         moments, may keep it from getting it for many milliseconds, each slowed by a thread
         that tries. Taken back under ``source_lock`` with nothing queued, the source is the
         consumer's from its next call on, in order: the thread asks for ``pause_requested``
-        under the same lock before each call. Then the consumer lets go of the GIL until the
-        thread has parked, at most `PARK_WAIT`: a few microseconds of the thread's time, where
-        a thread left trying for the GIL would cost the loop a share of every batch.
+        under the same lock before each call. The consumer then lets the thread park
+        (`let_park`).
 
         Returns:
             Whether the source is the consumer's now.
@@ -356,15 +355,20 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
         if not lock.acquire(blocking=False):
             return False  # the thread is making an item, or parking: it says so in the channel
         try:
-            if self.handed_back or not self.queue.empty():
+            if not self.queue.empty():
                 return False  # items are queued, or the PAUSED after them: the consumer takes them
             self.handed_back = True
+            return True
         finally:
             lock.release()
+
+    def let_park(self) -> None:
+        """After `take_back`: let go of the GIL until the thread has parked, at most
+        `PARK_WAIT`. It takes the thread a few microseconds once it runs; a thread left trying
+        for the GIL would cost the loop a share of every batch."""
         if not self.parked.is_set():
             self.queue.wake_producer()  # from a nap or a wait for room: it parks from there
             self.parked.wait(PARK_WAIT)
-        return True
 
     def resume(self) -> None:
         """Give the source back to the thread (the consumer no longer calls it)."""
@@ -731,6 +735,7 @@ class ThreadStage(Iterator[T], Generic[T]):
             return False
         self._pausing = False
         self._inline = True
+        producer.let_park()  # after the switch: an interrupt while it waits loses nothing
         return True
 
     def _end(self, natural: bool = True) -> None:

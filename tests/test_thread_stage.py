@@ -5,7 +5,9 @@ from __future__ import annotations
 import _thread
 import gc
 import math
+import os
 import random
+import signal
 import threading
 import time
 import traceback
@@ -617,6 +619,27 @@ def test_a_thread_the_source_was_taken_back_from_is_parked_before_the_caller_goe
     assert producer.parked.is_set()
     assert list(stage) == list(range(6, 100))
     assert source.threads == ["MainThread"] * 100
+
+
+def test_ctrl_c_while_the_thread_is_let_in_to_park_loses_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("prefetchx._thread_stage.Chooser", _Counting)
+    monkeypatch.setattr("prefetchx._thread_stage.PARK_WAIT", 30.0)
+    gate = ThreadGate(monkeypatch)  # the thread cannot park until the gate opens
+    stage = ThreadStage(iter(range(100)), max_prefetch=2)
+    assert [next(stage) for _ in range(5)] == list(range(5))
+    # A real SIGINT: `_thread.interrupt_main` would not end a wait on a lock until it times out.
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            next(stage)  # the switch: the source is taken back, then the wait is interrupted
+    finally:
+        timer.join()
+    gate.open.set()
+    # Before the wait, the stage had switched: it does not wait for a PAUSED that never comes.
+    assert list(stage) == list(range(5, 100))
 
 
 def test_adaptive_off_keeps_the_thread() -> None:
