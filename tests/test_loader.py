@@ -34,6 +34,7 @@ from tests.helpers import (
     REPO,
     Squares,
     Stream,
+    Switching,
     ThreadGate,
     as_lists,
     both,
@@ -822,4 +823,27 @@ def test_batches_the_loop_makes_for_a_late_thread_are_dataloaders(
         if cls is DataLoaderX:
             assert loader.stats.inline_batches > 8  # type: ignore[attr-defined]
     assert got["DataLoaderX"][0] == got["DataLoader"][0]
+    assert torch.equal(got["DataLoaderX"][1], got["DataLoader"][1])
+
+
+@pytest.mark.parametrize("thread_can_run", [True, False])
+def test_switching_between_thread_and_loop_every_other_batch_keeps_dataloaders_epoch(
+    thread_can_run: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The hand-over in both directions, as often as it can happen: the thread parks and answers,
+    # or (held, as a thread the loop keeps from the GIL) the loop takes the source back itself.
+    # The batches, the error in its place, the order and the draws from the loader's generator
+    # stay DataLoader's.
+    monkeypatch.setattr("prefetchx._thread_stage.Chooser", Switching)
+    gate = ThreadGate(monkeypatch)
+    if thread_can_run:
+        gate.open.set()
+    got: dict[str, Any] = {}
+    for cls in (DataLoader, DataLoaderX):
+        generator = torch.Generator().manual_seed(7)
+        loader = cls(Squares(60, fail_at=17), batch_size=3, shuffle=True, generator=generator)
+        epochs = [outcomes(iter(loader)) for _ in range(2)]
+        got[cls.__name__] = (epochs, generator.get_state())
+    assert got["DataLoaderX"][0] == got["DataLoader"][0]
+    assert ("ValueError: boom at index 17", []) in got["DataLoader"][0][0]
     assert torch.equal(got["DataLoaderX"][1], got["DataLoader"][1])
