@@ -526,7 +526,7 @@ class ThreadStage(Iterator[T], Generic[T]):
             if adaptive and max_prefetch > 0
             else None
         )
-        self._pausing = False  # the thread was asked to park and has not said it has
+        self._pausing = False  # the thread was asked to park; the source has not come back
         self._countdown = WINDOW + 1  # outcomes to the next checkpoint; the first changes it
         self._window = WINDOW  # outcomes in the current window
         self._window_start = 0.0
@@ -752,7 +752,7 @@ class ThreadStage(Iterator[T], Generic[T]):
             self._countdown = WINDOW
         else:
             now = perf_counter()
-            if self._pausing:  # the thread has not parked yet: the switch is still going on
+            if self._pausing:  # the source has not come back yet: the switch is still going on
                 length = SETTLE
             else:
                 period = (now - self._window_start) / self._window
