@@ -111,7 +111,7 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
         self.pause_requested = threading.Event()
         self.resume_event = threading.Event()
         self.parked = threading.Event()
-        """Set while the thread waits in `_park`."""
+        """Set while the thread waits in `_park`, from its start until `resume`."""
         self.handed_back = False
         """Whether the source is the consumer's since ``pause_requested`` was last set: the
         thread handed it back (`Signal.PAUSED`) or the consumer took it (`take_back`)."""
@@ -374,6 +374,10 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
         """Give the source back to the thread (the consumer no longer calls it)."""
         self.handed_back = False
         self.pause_requested.clear()  # before the wake-up, or the thread would park again
+        # Cleared here, not only by the thread once it runs: a thread the loop keeps from the
+        # GIL may not have run yet when the source is taken back again, and `let_park` must
+        # then let it in, not take it for parked.
+        self.parked.clear()
         self.resume_event.set()
         self.queue.wake_producer()  # a thread that had not parked yet may be asleep elsewhere
 

@@ -8,6 +8,7 @@ import math
 import os
 import random
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -1139,3 +1140,48 @@ def test_without_a_thread_a_take_ahead_makes_nothing() -> None:
     stage = ThreadStage(source, max_prefetch=0, steal=False)
     assert _take_as_the_device_stage(stage, source) == list(range(5))
     assert not any(source.ahead)
+
+
+class _Alternating(Chooser):
+    """The thread and the caller in turn, 4 items each, from the item after the first."""
+
+    def start(self) -> tuple[bool, int]:
+        self.threaded = True
+        return True, 4
+
+    def window(self, period: float, means: Any) -> tuple[bool, int]:
+        self.threaded = not self.threaded
+        return self.threaded, 4
+
+
+def test_a_thread_resumed_but_kept_from_running_is_let_in_to_park_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The loop gives the source back to a parked thread, then takes it back before the thread
+    # has run (a loop that holds the GIL). The thread is still in its old park's wait: the
+    # caller must let it in to park again, or it goes on trying for the GIL, and slowing each
+    # batch, long after the switch (before: taken for parked, it was not let in).
+    monkeypatch.setattr("prefetchx._thread_stage.Chooser", _Alternating)
+    monkeypatch.setattr("prefetchx._thread_stage.PARK_WAIT", 30.0)
+    stage = ThreadStage(iter(range(100)), max_prefetch=2)
+    assert next(stage) == 0
+    producer = _started(stage)
+    items = [next(stage) for _ in range(4)]  # threaded; then the switch to the caller
+    while not (stage._inline and producer.parked.is_set()):
+        items.append(next(stage))
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(100.0)  # from here the thread runs only where the caller lets it
+    try:
+        while stage._inline:  # on to the thread's turn: it is resumed, and cannot run
+            items.append(next(stage))
+        assert producer.resume_event.is_set()  # woken, not yet run
+        while not stage._inline:  # the thread's turn; then the source is taken back
+            items.append(next(stage))
+        items.append(next(stage))
+        # The thread ran, saw the source taken back and parked again.
+        assert not producer.resume_event.is_set()
+        assert producer.parked.is_set()
+    finally:
+        sys.setswitchinterval(interval)
+    items += list(stage)
+    assert items == list(range(1, 100))
