@@ -459,7 +459,8 @@ class ThreadStage(Iterator[T], Generic[T]):
     source, the consumer, the machine and the moment. So by default the stage measures the
     consumer's wall time per item, ``next()`` and the work between two calls together, over
     windows of 16 items, with the thread and without it (the consumer then pulls items itself,
-    in order, while the thread waits parked), and keeps the faster. It looks again when the
+    in order, while the thread waits parked), and keeps the faster; a look at the other mode
+    that is plainly slower after its first 4 measured items ends there. It looks again when the
     consumer's pace changes by more than 25%, and less and less often while the answer holds,
     at most every 256 windows. It starts without the thread: the first 4 items after the first
     time the step and the source alone, and the thread is tried only if both take at least

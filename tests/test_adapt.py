@@ -15,6 +15,7 @@ from prefetchx._adapt import (
     HIDE_AT_LEAST_S,
     MARGIN,
     MAX_BACKOFF,
+    PEEK,
     SETTLE,
     SMOOTHING,
     WINDOW,
@@ -31,17 +32,19 @@ def _means(step: float = 1 * MS, wait: float = 1 * MS) -> Callable[[], tuple[flo
 
 class Loop:
     """A loop whose time per batch is ``inline`` without the thread and ``threaded`` with it,
-    run through a chooser; it records the mode of every window."""
+    run through a chooser; it records the mode and the length of every window."""
 
     def __init__(self, chooser: Chooser, inline: float, threaded: float) -> None:
         self.chooser = chooser
         self.periods = {False: inline, True: threaded}
         self.modes: list[bool] = []
+        self.lengths: list[int] = []
         self.threaded, self.length = chooser.start()
 
     def run(self, windows: int, step: float = 1 * MS, wait: float = 1 * MS) -> None:
         for _ in range(windows):
             self.modes.append(self.threaded)
+            self.lengths.append(self.length)
             period = self.periods[self.threaded]
             self.threaded, self.length = self.chooser.window(period, _means(step, wait))
 
@@ -52,9 +55,11 @@ def test_the_first_window_is_inline_and_short() -> None:
 
 def test_a_faster_thread_takes_over_after_its_probe() -> None:
     loop = Loop(Chooser(Memory()), inline=2 * MS, threaded=1 * MS)
-    loop.run(3)
-    # inline, then the probe: a settling window and a measured one, and the thread stays.
-    assert loop.modes == [False, True, True]
+    loop.run(4)
+    # inline, then the probe: a settling window and a measured one, looked at after its first
+    # batches; and the thread stays.
+    assert loop.modes == [False, True, True, True]
+    assert loop.lengths == [FIRST, SETTLE, PEEK, WINDOW - PEEK]
     assert loop.threaded
     assert loop.chooser.memory.threaded is True
     assert loop.chooser.memory.backoff == CLEAR_GROWTH  # it won clearly
@@ -68,6 +73,9 @@ def test_a_slower_thread_is_sent_back_and_tried_less_and_less_often() -> None:
     assert gaps == sorted(gaps)  # ever rarer
     assert gaps[-1] > 64
     assert sum(loop.modes) <= 2 * len(probes)  # each probe: one settling, one measured window
+    # Twice as slow is plain after the first batches of the measured window: the probe ends.
+    windows = zip(loop.lengths, loop.modes, strict=True)
+    assert {n for n, threaded in windows if threaded} == {SETTLE, PEEK}
     assert loop.chooser.memory.threaded is False
     assert loop.chooser.memory.backoff <= MAX_BACKOFF
 
@@ -75,7 +83,7 @@ def test_a_slower_thread_is_sent_back_and_tried_less_and_less_often() -> None:
 def test_a_close_call_keeps_the_incumbent_and_probes_again_sooner() -> None:
     memory = Memory()
     loop = Loop(Chooser(memory), inline=1 * MS, threaded=1 * MS * (1 - MARGIN / 2))
-    loop.run(3)
+    loop.run(4)
     assert not loop.threaded  # within the margin: the incumbent stays
     assert memory.backoff == 2  # not clear: doubled, not quadrupled
 
@@ -85,7 +93,8 @@ def test_a_settling_window_is_not_measured() -> None:
     chooser.start()
     assert chooser.window(2 * MS, _means()) == (True, SETTLE)
     # The settling window is wildly slow (the queue filling): ignored.
-    assert chooser.window(100 * MS, _means()) == (True, WINDOW)
+    assert chooser.window(100 * MS, _means()) == (True, PEEK)
+    assert chooser.window(1 * MS, _means()) == (True, WINDOW - PEEK)
     assert chooser.window(1 * MS, _means()) == (True, WINDOW)
 
 
@@ -155,6 +164,65 @@ def test_an_epoch_that_ends_in_a_probe_leaves_it_to_the_next() -> None:
     assert memory.probing
     second = Loop(Chooser(memory), inline=2 * MS, threaded=1 * MS)
     assert (second.threaded, second.length) == (True, SETTLE)  # the probe, from its start
-    second.run(2)
+    second.run(3)
     assert memory.threaded is True
     assert not memory.probing
+
+
+def _probe_of_the_thread(memory: Memory, inline: float = 1 * MS) -> Chooser:
+    """A chooser whose next window is the measured one of a probe of the thread, against an
+    inline incumbent of ``inline`` per batch."""
+    chooser = Chooser(memory)
+    chooser.start()
+    assert chooser.window(inline, _means()) == (True, SETTLE)
+    assert chooser.window(5 * inline, _means()) == (True, PEEK)  # the settling window
+    return chooser
+
+
+@pytest.mark.parametrize(("slower", "backoff"), [(1.1, 2), (2.0, CLEAR_GROWTH)])
+def test_a_probe_slower_after_its_first_batches_ends_there(slower: float, backoff: int) -> None:
+    memory = Memory()
+    chooser = _probe_of_the_thread(memory)
+    assert chooser.window(slower * MS, _means()) == (False, SETTLE)
+    assert not memory.probing
+    assert memory.threaded is False
+    assert memory.backoff == backoff  # lost; clearly (by more than CHANGED) or not
+
+
+def test_a_probe_slower_within_the_margin_runs_its_whole_window() -> None:
+    memory = Memory()
+    chooser = _probe_of_the_thread(memory)
+    slower = 1 * MS * (1 + MARGIN / 2)
+    assert chooser.window(slower, _means()) == (True, WINDOW - PEEK)
+    assert chooser.window(slower, _means()) == (False, SETTLE)
+    assert memory.backoff == 2  # lost, not clearly
+
+
+@pytest.mark.parametrize(("first", "rest", "won"), [(1.02, 0.9, True), (1.025, 0.955, False)])
+def test_a_probe_is_decided_on_its_whole_window(first: float, rest: float, won: bool) -> None:
+    # Over 16 batches: (4 * 1.02 + 12 * 0.9) / 16 = 0.93, a win by 7%; (4 * 1.025 + 12 * 0.955)
+    # / 16 = 0.9725, short of the 3% margin, though the last 12 alone would have won.
+    memory = Memory()
+    chooser = _probe_of_the_thread(memory)
+    assert chooser.window(first * MS, _means()) == (True, WINDOW - PEEK)
+    chooser.window(rest * MS, _means())
+    assert memory.threaded is won
+    assert not memory.probing
+    if won:
+        assert memory.smooth == pytest.approx((PEEK * first + (WINDOW - PEEK) * rest) / WINDOW * MS)
+
+
+def test_uneven_steps_do_not_end_a_probe_early() -> None:
+    # The incumbent's windows stray by 20% either way: a mean of 4 batches strays about twice as
+    # far, so 60% slower over them may still be luck.
+    memory = Memory()
+    chooser = Chooser(memory)
+    chooser.start()
+    memory.backoff = 1000  # no probe while the windows come in
+    for period in [1.0] + [0.8, 1.2] * 20:
+        assert chooser.window(period * MS, _means()) == (False, WINDOW)
+    assert 0.18 * MS < memory.spread < 0.25 * MS
+    memory.backoff = memory.since + 1
+    assert chooser.window(1 * MS, _means()) == (True, SETTLE)
+    assert chooser.window(1 * MS, _means()) == (True, PEEK)
+    assert chooser.window(memory.smooth * 1.6, _means()) == (True, WINDOW - PEEK)
