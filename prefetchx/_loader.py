@@ -52,7 +52,8 @@ class DataLoaderX(DataLoader[T_co]):
     second stage copies the next ``device_prefetch`` batches to it on a side stream while the
     caller trains, and normalizes the input there; the Design page of the docs ("Device stage:
     streams and fences") states the stream invariants.
-    On the CPU the same normalization runs in the background thread instead.
+    On the CPU the same normalization runs where the batch is made instead: in the background
+    thread while it runs.
 
     Iterators, as with `DataLoader`: each ``iter()`` returns a new, independent iterator
     (``zip(loader, loader)``, nested loops, a validation pass inside the training loop each get

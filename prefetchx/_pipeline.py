@@ -81,7 +81,7 @@ class Pipeline:
         ``reapable`` and ``limit``: see `ThreadStage`.
         """
         if self.target.type == "cpu":
-            if self.normalize.active:  # in the thread, so it overlaps the caller's step
+            if self.normalize.active:  # with the batch: in the thread while it runs
                 source = map(self._normalize_input, source)
             return ThreadStage(
                 source,
@@ -93,7 +93,7 @@ class Pipeline:
             )
         streams = self._side_streams()
         if streams is not None and self.pin_host:
-            source = map(self._pin, source)  # in the thread: off the caller's
+            source = map(self._pin, source)  # with the batch, as normalization on the CPU
         # The thread runs while it makes the loop faster, as on the CPU. While it runs, it makes
         # and pins every batch (the caller waits for it); while it is parked, the caller makes
         # the batches the device stage copies ahead, as the prefetchers of apex and timm do.
