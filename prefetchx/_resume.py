@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -443,39 +444,43 @@ class IndexRecorder:
         return self._draws(source, at_iter)
 
     def _draws(self, source: Iterator[Any], at_iter: States) -> Iterator[Any]:
-        """The epoch's index batches; the first ``next()`` notes the position (or replays)."""
+        """The epoch's index batches: the first ``next()`` notes the position (or replays the
+        consumed draws); each later one is the sampler's own ``next()``.
+
+        Not a generator: an exception from the sampler would end it, and the epoch with it,
+        where DataLoader asks the sampler again at the next batch and goes on. After the first
+        draw, `map` over `itertools.repeat` calls the sampler's ``next()`` from C (no Python
+        frame a batch), and never ``iter()`` again: a sampler whose ``__iter__`` restarts
+        itself and returns itself (Lightning's predict wrapper) would start over.
+        """
+        first = _Once(lambda: self._first(source, at_iter))
+        return itertools.chain(first, map(next, itertools.repeat(source)))
+
+    def _first(self, source: Iterator[Any], at_iter: States) -> Any:
+        """The epoch's first index batch, its position noted, or a resumed epoch's first batch
+        to load after replaying those consumed; `StopIteration` for an epoch with none."""
         position, resume = self._position, self._resume
         if resume is not None and resume.in_epoch:
             first = self._replay(source, resume)
             position.at_iter, position.at_draw = resume.at_iter, resume.at_draw
             position.digest = resume.digest
-            if first is not None:
-                yield first
-        else:
-            if resume is not None:  # between epochs, and this epoch draws no base seed
-                set_states(self.generators[1:], resume.at_draw[1:])
-                caller = self._caller_global if self._building else None
-                if caller is not None:  # undo the base seed DataLoader drew while building
-                    torch.default_generator.set_state(caller)
-                elif resume.at_draw[0] is not None:
-                    self.generators[0].set_state(resume.at_draw[0])
-            at_draw = self._states()
-            try:
-                first = next(source)
-            except StopIteration:
-                position.at_iter, position.at_draw = at_iter, at_draw
-                return
+            if first is None:
+                raise StopIteration
+            return first
+        if resume is not None:  # between epochs, and this epoch draws no base seed
+            set_states(self.generators[1:], resume.at_draw[1:])
+            caller = self._caller_global if self._building else None
+            if caller is not None:  # undo the base seed DataLoader drew while building
+                torch.default_generator.set_state(caller)
+            elif resume.at_draw[0] is not None:
+                self.generators[0].set_state(resume.at_draw[0])
+        at_draw = self._states()
+        try:
+            first = next(source)
+        finally:  # drawn, or tried: an error here is an outcome, and the epoch goes on
             position.at_iter, position.at_draw = at_iter, at_draw
-            position.digest = digest(first)
-            yield first
-        # Never `yield from source`: it calls iter(source) again, and a sampler whose __iter__
-        # restarts itself and returns itself (Lightning's predict wrapper) would start over.
-        while True:
-            try:
-                indices = next(source)
-            except StopIteration:
-                return
-            yield indices
+        position.digest = digest(first)
+        return first
 
     def _replay(self, source: Iterator[Any], resume: Resume) -> Any:
         """Draw the consumed batches again and check them; the first batch to load, if any.
@@ -524,6 +529,28 @@ class IndexRecorder:
     def _restore(self, caller: torch.Tensor | None) -> None:
         if caller is not None:
             torch.default_generator.set_state(caller)
+
+
+class _Once:
+    """An iterator of the one value ``make()`` returns, made at the first ``next()``.
+
+    ``make`` is called once: if it raises, the exception goes to the caller and the iterator is
+    exhausted, as it is after its value.
+    """
+
+    __slots__ = ("_make",)
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make: Callable[[], Any] | None = make
+
+    def __iter__(self) -> _Once:
+        return self
+
+    def __next__(self) -> Any:
+        make, self._make = self._make, None
+        if make is None:
+            raise StopIteration
+        return make()
 
 
 def between_epochs(generators: Sequence[torch.Generator], base_seed_next: bool) -> Resume:

@@ -23,6 +23,7 @@ from torch.utils.data import (
     DistributedSampler,
     IterableDataset,
     RandomSampler,
+    Sampler,
     SequentialSampler,
     SubsetRandomSampler,
     WeightedRandomSampler,
@@ -277,6 +278,57 @@ def test_collate_errors_are_per_batch() -> None:
     plain_record, ours = both(run)
     assert ours == plain_record
     assert ours[2][0] == "LookupError: cannot collate 2 items"
+
+
+class _DrawFails:
+    """An iterator over ``range(n)`` whose ``fail_at``-th draw (from 1) raises, and which goes
+    on after it, as an iterator that is not a generator may."""
+
+    def __init__(self, n: int, fail_at: int) -> None:
+        self.drawn, self.n, self.fail_at = 0, n, fail_at
+
+    def __iter__(self) -> _DrawFails:
+        return self
+
+    def __next__(self) -> int:
+        self.drawn += 1
+        if self.drawn > self.n:
+            raise StopIteration
+        if self.drawn == self.fail_at:
+            raise IndexError(f"no index at draw {self.drawn}")
+        return self.drawn - 1
+
+
+class _FailingSampler(Sampler[int]):
+    def __init__(self, n: int, fail_at: int) -> None:
+        self.n, self.fail_at = n, fail_at
+
+    def __iter__(self) -> Iterator[int]:
+        return _DrawFails(self.n, self.fail_at)
+
+    def __len__(self) -> int:
+        return self.n
+
+
+@pytest.mark.usefixtures("both_modes")
+@pytest.mark.parametrize("max_prefetch", [0, 2])
+@pytest.mark.parametrize(("num_workers", "fail_at"), [(0, 1), (0, 3), (2, 7)])
+def test_a_sampler_error_does_not_end_the_epoch(
+    max_prefetch: int, num_workers: int, fail_at: int
+) -> None:
+    # DataLoader asks the sampler again at the next batch; its recorder for state_dict must too.
+    def run(cls: type[DataLoader[Any]]) -> list[Any]:
+        kwargs = {"max_prefetch": max_prefetch} if cls is DataLoaderX else {}
+        sampler = _FailingSampler(12, fail_at)
+        loader = cls(
+            Squares(12), sampler=sampler, batch_size=None, num_workers=num_workers, **kwargs
+        )
+        return outcomes(iter(loader))
+
+    plain_record, ours = both(run)
+    assert ours == plain_record
+    assert [value for value, _ in ours].count(f"IndexError: no index at draw {fail_at}") == 1
+    assert len(ours) >= 11  # every index but the failed draw's (with workers, one more is lost)
 
 
 # --- samplers are iterated as DataLoader iterates them (FIELD pitfall 17) ---------------------
