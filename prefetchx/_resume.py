@@ -363,7 +363,7 @@ class IndexRecorder:
 
     DataLoader calls ``iter()`` on its index sampler when it makes an iterator (twice with
     workers) and at each reset of persistent workers; each call iterates the real sampler once,
-    when DataLoader asks, and the generator it returns notes the epoch's `Position` at its
+    when DataLoader asks, and the iterator it returns notes the epoch's `Position` at its
     first draw.
     """
 
