@@ -502,13 +502,16 @@ class IndexRecorder:
                             f"this epoch, but the sampler now yields only {drawn}."
                         ) from None
                     return None
+                except Exception:
+                    # The saved run's loop got this error in place of a batch (it counts among
+                    # those consumed), or gets it next; the sampler goes on after it.
+                    if drawn == 0 and resume.digest is not None:
+                        raise _not_replayed() from None
+                    if drawn == skipped:
+                        raise
+                    continue
                 if drawn == 0 and resume.digest is not None and digest(indices) != resume.digest:
-                    raise ValueError(
-                        "prefetchx: replaying the state's consumed batches drew other indices "
-                        "than the run that saved it. The sampler's draws are not reproducible "
-                        "from torch generators (Python's random or numpy?), or the dataset, "
-                        "sampler or seed differ; resuming would train on the wrong samples."
-                    )
+                    raise _not_replayed()
                 if drawn == skipped:
                     return indices
             return None  # unreachable: the loop returns on its last pass
@@ -529,6 +532,15 @@ class IndexRecorder:
     def _restore(self, caller: torch.Tensor | None) -> None:
         if caller is not None:
             torch.default_generator.set_state(caller)
+
+
+def _not_replayed() -> ValueError:
+    return ValueError(
+        "prefetchx: replaying the state's consumed batches drew other indices than the run "
+        "that saved it. The sampler's draws are not reproducible from torch generators "
+        "(Python's random or numpy?), or the dataset, sampler or seed differ; resuming would "
+        "train on the wrong samples."
+    )
 
 
 class _Once:

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, TypeVar
 import psutil
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
 from prefetchx._adapt import WINDOW, Chooser
 from prefetchx._device_stage import DeviceStage
@@ -115,6 +115,38 @@ class Stream(IterableDataset[int]):
         info = get_worker_info()
         start, step = (0, 1) if info is None else (info.id, info.num_workers)
         return iter(range(start, self.n, step))
+
+
+class DrawFails:
+    """An iterator over ``range(n)`` whose ``fail_at``-th draw (from 1) raises, and which goes
+    on after it, as an iterator that is not a generator may."""
+
+    def __init__(self, n: int, fail_at: int) -> None:
+        self.drawn, self.n, self.fail_at = 0, n, fail_at
+
+    def __iter__(self) -> DrawFails:
+        return self
+
+    def __next__(self) -> int:
+        self.drawn += 1
+        if self.drawn > self.n:
+            raise StopIteration
+        if self.drawn == self.fail_at:
+            raise IndexError(f"no index at draw {self.drawn}")
+        return self.drawn - 1
+
+
+class FailingSampler(Sampler[int]):
+    """A sampler over ``range(n)`` whose iterator's ``fail_at``-th draw raises; see `DrawFails`."""
+
+    def __init__(self, n: int, fail_at: int) -> None:
+        self.n, self.fail_at = n, fail_at
+
+    def __iter__(self) -> Iterator[int]:
+        return DrawFails(self.n, self.fail_at)
+
+    def __len__(self) -> int:
+        return self.n
 
 
 def outcomes(iterator: Iterator[Any], limit: int = 10**6) -> list[Any]:

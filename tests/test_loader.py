@@ -23,7 +23,6 @@ from torch.utils.data import (
     DistributedSampler,
     IterableDataset,
     RandomSampler,
-    Sampler,
     SequentialSampler,
     SubsetRandomSampler,
     WeightedRandomSampler,
@@ -33,6 +32,7 @@ from prefetchx import DataLoaderX
 from prefetchx._adapt import WINDOW, Chooser
 from tests.helpers import (
     REPO,
+    FailingSampler,
     Squares,
     Stream,
     Switching,
@@ -280,36 +280,6 @@ def test_collate_errors_are_per_batch() -> None:
     assert ours[2][0] == "LookupError: cannot collate 2 items"
 
 
-class _DrawFails:
-    """An iterator over ``range(n)`` whose ``fail_at``-th draw (from 1) raises, and which goes
-    on after it, as an iterator that is not a generator may."""
-
-    def __init__(self, n: int, fail_at: int) -> None:
-        self.drawn, self.n, self.fail_at = 0, n, fail_at
-
-    def __iter__(self) -> _DrawFails:
-        return self
-
-    def __next__(self) -> int:
-        self.drawn += 1
-        if self.drawn > self.n:
-            raise StopIteration
-        if self.drawn == self.fail_at:
-            raise IndexError(f"no index at draw {self.drawn}")
-        return self.drawn - 1
-
-
-class _FailingSampler(Sampler[int]):
-    def __init__(self, n: int, fail_at: int) -> None:
-        self.n, self.fail_at = n, fail_at
-
-    def __iter__(self) -> Iterator[int]:
-        return _DrawFails(self.n, self.fail_at)
-
-    def __len__(self) -> int:
-        return self.n
-
-
 @pytest.mark.usefixtures("both_modes")
 @pytest.mark.parametrize("max_prefetch", [0, 2])
 @pytest.mark.parametrize(("num_workers", "fail_at"), [(0, 1), (0, 3), (2, 7)])
@@ -319,7 +289,7 @@ def test_a_sampler_error_does_not_end_the_epoch(
     # DataLoader asks the sampler again at the next batch; its recorder for state_dict must too.
     def run(cls: type[DataLoader[Any]]) -> list[Any]:
         kwargs = {"max_prefetch": max_prefetch} if cls is DataLoaderX else {}
-        sampler = _FailingSampler(12, fail_at)
+        sampler = FailingSampler(12, fail_at)
         loader = cls(
             Squares(12), sampler=sampler, batch_size=None, num_workers=num_workers, **kwargs
         )

@@ -14,7 +14,15 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from prefetchx import DataLoaderX
-from tests.helpers import Counting, Squares, Stream, as_lists, wait_until
+from tests.helpers import (
+    Counting,
+    FailingSampler,
+    Squares,
+    Stream,
+    as_lists,
+    outcomes,
+    wait_until,
+)
 
 N, BATCH = 26, 4
 BATCHES = 7  # ceil(26 / 4)
@@ -197,6 +205,27 @@ def test_state_after_an_error_resumes_after_the_failed_batch(num_workers: int) -
     resumed = DataLoaderX(Squares(20), batch_size=BATCH, num_workers=num_workers)
     resumed.load_state_dict(state)
     assert got + take(resumed) == expected
+
+
+@pytest.mark.parametrize(("fail_at", "consumed"), [(1, 1), (1, 3), (3, 2), (3, 3), (3, 5)])
+def test_state_after_a_sampler_error_resumes_where_dataloader_goes_on(
+    fail_at: int, consumed: int
+) -> None:
+    # DataLoader asks a sampler that raised again at the next batch; the saved run's loop got
+    # the error in place of a batch, so the replay draws past it as the saved run did.
+    def loader(cls: type[DataLoader[Any]] = DataLoaderX) -> DataLoader[Any]:
+        return cls(Squares(12), sampler=FailingSampler(12, fail_at), batch_size=None)
+
+    expected = [value for value, _ in outcomes(iter(loader(DataLoader)))]
+    saved = loader()
+    got = [value for value, _ in outcomes(iter(saved), consumed)]
+    state = saved.state_dict()
+    assert state["consumed"] == consumed
+    saved.close()
+
+    resumed = loader()
+    resumed.load_state_dict(_through_disk(state))
+    assert got + [value for value, _ in outcomes(iter(resumed))] == expected
 
 
 def test_state_after_the_last_batch_and_after_the_epoch() -> None:
