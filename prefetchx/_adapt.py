@@ -29,12 +29,17 @@ FIRST = 4
 thread, after the first batch (its wait includes starting the epoch)."""
 
 SETTLE = 4
-"""Batches after a switch that are not measured: the queue fills, or drains the batches made
-ahead, which would flatter the mode just left."""
+"""Batches after a switch to the thread that are not measured: its queue fills."""
+
+SETTLE_INLINE = 1
+"""Batches after a switch to the loop that are not measured, once the loop has taken what the
+thread had queued (those would flatter the mode just left; the stage does not end the window
+before): the first the loop makes itself."""
 
 PEEK = 4
 """Batches of a probe's measured window after which the probe ends, lost, if the probed mode is
-already slower beyond doubt (see `Chooser._probe`): a losing probe then costs 8 batches, not 20."""
+already slower beyond doubt (see `Chooser._probe`): a losing probe then costs 8 batches of the
+thread or 5 of the loop (after the thread's queued ones), not 20."""
 
 MARGIN = 0.03
 """A probed mode takes over only when its time per batch beats the incumbent's by this much, or
@@ -120,8 +125,7 @@ class Chooser:
             return self._run(False, FIRST)
         self.threaded = (not incumbent) if memory.probing else incumbent
         if self.threaded or memory.probing:
-            self._settling = True  # the thread starts with an empty queue
-            return self._run(self.threaded, SETTLE)
+            return self._settle()  # the thread starts with an empty queue
         return self._run(False, WINDOW)
 
     def window(self, period: float, means: Callable[[], tuple[float, float]]) -> tuple[bool, int]:
@@ -199,8 +203,11 @@ class Chooser:
     def _switch(self) -> tuple[bool, int]:
         self.threaded = not self.threaded
         self.switches += 1
+        return self._settle()
+
+    def _settle(self) -> tuple[bool, int]:
         self._settling = True
-        return self._run(self.threaded, SETTLE)
+        return self._run(self.threaded, SETTLE if self.threaded else SETTLE_INLINE)
 
     def _run(self, threaded: bool, length: int) -> tuple[bool, int]:
         """The answer: the next window's mode and length, kept to measure the window by."""

@@ -17,7 +17,7 @@ import torch
 from prefetch_generator import BackgroundGenerator
 
 from prefetchx import _engine
-from prefetchx._adapt import SETTLE, WINDOW, Chooser, Memory
+from prefetchx._adapt import WINDOW, Chooser, Memory
 from prefetchx._checks import check_int
 from prefetchx._device import set_thread_device
 from prefetchx._engine import POLL_INTERVAL, REAPER, Channel, Failure, Reaped, Signal, discard
@@ -758,7 +758,7 @@ class ThreadStage(Iterator[T], Generic[T]):
         else:
             now = perf_counter()
             if self._pausing:  # the source has not come back yet: the switch is still going on
-                length = SETTLE
+                length = 1
             else:
                 period = (now - self._window_start) / self._window
                 threaded, length = chooser.window(period, self._means)

@@ -17,6 +17,7 @@ from prefetchx._adapt import (
     MAX_BACKOFF,
     PEEK,
     SETTLE,
+    SETTLE_INLINE,
     SMOOTHING,
     WINDOW,
     Chooser,
@@ -183,7 +184,7 @@ def _probe_of_the_thread(memory: Memory, inline: float = 1 * MS) -> Chooser:
 def test_a_probe_slower_after_its_first_batches_ends_there(slower: float, backoff: int) -> None:
     memory = Memory()
     chooser = _probe_of_the_thread(memory)
-    assert chooser.window(slower * MS, _means()) == (False, SETTLE)
+    assert chooser.window(slower * MS, _means()) == (False, SETTLE_INLINE)
     assert not memory.probing
     assert memory.threaded is False
     assert memory.backoff == backoff  # lost; clearly (by more than CHANGED) or not
@@ -194,7 +195,7 @@ def test_a_probe_slower_within_the_margin_runs_its_whole_window() -> None:
     chooser = _probe_of_the_thread(memory)
     slower = 1 * MS * (1 + MARGIN / 2)
     assert chooser.window(slower, _means()) == (True, WINDOW - PEEK)
-    assert chooser.window(slower, _means()) == (False, SETTLE)
+    assert chooser.window(slower, _means()) == (False, SETTLE_INLINE)
     assert memory.backoff == 2  # lost, not clearly
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from prefetchx import EpochStats, ThreadStage, _engine
-from prefetchx._adapt import CLEAR_GROWTH, Chooser, Memory
+from prefetchx._adapt import CLEAR_GROWTH, PEEK, SETTLE_INLINE, Chooser, Memory
 from prefetchx._engine import Channel, Failure, Signal
 from prefetchx._thread_stage import MAX_PATIENCE
 from tests.helpers import Switching, ThreadGate, wait_until
@@ -601,6 +601,50 @@ def test_the_caller_takes_the_source_back_from_a_thread_that_cannot_run(
         assert 4 <= made_by_thread <= 4 + 3
         assert source.threads[1 + made_by_thread :] == ["MainThread"] * (59 - made_by_thread)
     assert wait_until(lambda: not stage.producer_alive)
+
+
+class _BackToTheCaller(Chooser):
+    """Threaded for 8 items after the first, then back to the caller with the real chooser's
+    settling window, then its first measured one; notes, at each window's end, how many items
+    the loop had and how many the source had made, in all and in the loop's thread."""
+
+    source: Flaky
+    taken = 0
+    ends: list[tuple[int, int, int]]
+
+    def start(self) -> tuple[bool, int]:
+        self.threaded = True
+        return True, 8
+
+    def window(self, period: float, means: Any) -> tuple[bool, int]:
+        threads = type(self).source.threads
+        ends = type(self).ends
+        ends.append((type(self).taken, len(threads), threads.count("MainThread")))
+        self.threaded = False
+        return False, (SETTLE_INLINE if len(ends) == 1 else PEEK)
+
+
+def test_back_to_the_caller_only_its_own_items_are_measured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The items the thread had queued come quick: counted in the measured window, they would
+    # flatter the mode just left. The settling window goes on until the loop has taken them
+    # all, then ends with the first item the loop made itself, not later.
+    monkeypatch.setattr("prefetchx._thread_stage.Chooser", _BackToTheCaller)
+    source = Flaky(40)
+    monkeypatch.setattr(_BackToTheCaller, "source", source, raising=False)
+    monkeypatch.setattr(_BackToTheCaller, "ends", [], raising=False)
+    with ThreadStage(source, max_prefetch=4) as stage:
+        for taken in range(1, 25):
+            _BackToTheCaller.taken = taken
+            next(stage)
+            if taken < 9:  # a step long enough for the thread to fill its queue
+                assert wait_until(lambda: len(source.threads) >= taken + 2)  # noqa: B023
+    (_, _, before), (taken, made, own), (_, _, measured) = _BackToTheCaller.ends[:3]
+    assert taken == made  # nothing queued ahead is left: the loop took it all
+    assert taken > 1 + 8 + 1  # the queue held items when the switch came
+    assert own == before + SETTLE_INLINE  # then the settling window ends
+    assert measured == own + PEEK  # the measured window: the loop's own items only
 
 
 def test_a_thread_the_source_was_taken_back_from_is_parked_before_the_caller_goes_on(
