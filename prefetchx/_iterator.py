@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from prefetchx import _engine
@@ -72,6 +73,7 @@ class PrefetchIterator(Iterator[T], Generic[T]):
         recorder: Any = None,
         feed: Iterator[T] | None = None,
         length: int | None = None,
+        own_last: bool = False,
     ) -> None:
         self._source: Iterator[T] | None = source
         self._feed = feed  # what the stages pull from, when not the source itself
@@ -80,6 +82,7 @@ class PrefetchIterator(Iterator[T], Generic[T]):
         self._recorder = recorder  # the DataLoader iterator's index sampler, for _reset
         self._length: int | None = None
         self._batches = length  # the source's len() when the source itself has none
+        self._own_last = own_last  # the loop makes the epoch's last batch (see ends_with_last)
         self._start(epoch)
 
     def _start(self, epoch: Epoch) -> None:
@@ -97,6 +100,8 @@ class PrefetchIterator(Iterator[T], Generic[T]):
         length = self._batches if self._batches is not None else length_of(self._source)
         if length is not None and epoch.position is not None:
             length = max(0, length - epoch.position.skipped)  # a resumed sampler skips these
+        if length is not None and self._own_last:
+            length = max(0, length - 1)
         stage = self._pipeline.build(feed, epoch.stats, reapable=reapable, limit=length)
         epoch.tally = stage.tally
         self._stage: Stage = stage
@@ -202,6 +207,31 @@ class PrefetchIterator(Iterator[T], Generic[T]):
     def __getstate__(self) -> Any:
         # As DataLoader's own iterators: an iterator with a thread and workers cannot be pickled.
         raise NotImplementedError("{} cannot be pickled", type(self).__name__)
+
+
+def ends_with_last(loader: Any) -> bool:
+    """Whether making a DataLoader's last batch may run its sampler to its end, where a
+    shuffling sampler draws from the loader's ``generator`` once more (torch's `RandomSampler`).
+
+    So it is where a batch sampler fills its last batch only when its sampler has ended: torch's
+    `BatchSampler` whose last batch is short and kept, and any other batch sampler, which may.
+    The loop then makes the last batch itself, so that an epoch it leaves early never makes
+    that draw, as with DataLoader. Not with workers: DataLoader asks its sampler for indices
+    ahead of the loop there itself, and no thread can keep that exact.
+    """
+    if not isinstance(loader, DataLoader) or loader.num_workers > 0:
+        return False
+    batches = loader.batch_sampler
+    if batches is None or isinstance(loader.dataset, IterableDataset):
+        return False  # an index a batch, or none: the end comes with the call after the last
+    if type(batches) is not BatchSampler:
+        return True
+    if batches.drop_last:
+        return False
+    try:
+        return len(batches.sampler) % batches.batch_size != 0  # type: ignore[arg-type]
+    except TypeError:
+        return True
 
 
 def length_of(source: Any) -> int | None:

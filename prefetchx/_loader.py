@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from prefetchx import _engine
-from prefetchx._iterator import Epoch, PrefetchIterator
+from prefetchx._iterator import Epoch, PrefetchIterator, ends_with_last
 from prefetchx._pipeline import Pipeline
 from prefetchx._resume import (
     DatasetSnapshots,
@@ -192,6 +192,7 @@ class DataLoaderX(DataLoader[T_co]):
             keep_source=self._keeps_iterator(),
             recorder=recorder,
             feed=feed,
+            own_last=ends_with_last(self),
         )
         self._live.add(iterator)
         return iterator

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from prefetchx import _engine
-from prefetchx._iterator import Epoch, PrefetchIterator, length_of
+from prefetchx._iterator import Epoch, PrefetchIterator, ends_with_last, length_of
 from prefetchx._loader import (
     ACCELERATE_SKIP_DROPS_STAGES,
     PREFETCH_DEFAULTS,
@@ -124,7 +124,11 @@ class Prefetcher(Generic[T]):
                     )
         epoch = Epoch()
         iterator: PrefetchIterator[T] = PrefetchIterator(
-            iter(self.iterable), self._pipeline, epoch, length=length_of(self.iterable)
+            iter(self.iterable),
+            self._pipeline,
+            epoch,
+            length=length_of(self.iterable),
+            own_last=ends_with_last(self.iterable),
         )
         self._latest = epoch
         self._live.add(iterator)

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from conftest import leftovers
-from prefetchx import DataLoaderX, _engine
+from prefetchx import DataLoaderX, Prefetcher, _engine
 from tests.helpers import (
     ALWAYS_THREADED,
     REPO,
@@ -551,14 +551,16 @@ def test_interleaved_iterators_keep_their_own_stats() -> None:
 
 
 @pytest.mark.parametrize("step_s", [0.0, 0.003], ids=["short-steps", "long-steps"])
-def test_the_call_that_ends_an_epoch_is_the_loops_own(step_s: float) -> None:
+@pytest.mark.parametrize("batch_size", [2, 5], ids=["whole-last", "short-last"])
+def test_the_call_that_ends_an_epoch_is_the_loops_own(step_s: float, batch_size: int) -> None:
     # RandomSampler draws from the loader's generator once more after its last index. A thread
     # that ran a left epoch to its end made that draw, which DataLoader never makes: every later
-    # epoch of the loader changed (Lightning's CombinedLoader restarting a shorter loader).
+    # epoch of the loader changed (Lightning's CombinedLoader restarting a shorter loader). A
+    # short last batch is made with that draw: the batch sampler fills it when the sampler ends.
     def run(cls: type[DataLoader[Any]]) -> list[Any]:
-        loader = cls(Squares(12), batch_size=2, shuffle=True, generator=torch.Generator())
+        loader = cls(Squares(12), batch_size=batch_size, shuffle=True, generator=torch.Generator())
         seen = []
-        for taken in (2, 5, 6, 3):  # epochs left at several points, and one run to its end
+        for taken in (2, 5, 6, 3, 2):  # epochs left at several points, and run to their end
             iterator = iter(loader)
             for _, batch in zip(range(taken), iterator, strict=False):
                 seen.append(batch.tolist())
@@ -568,6 +570,27 @@ def test_the_call_that_ends_an_epoch_is_the_loops_own(step_s: float) -> None:
 
     expected, got = both(run)
     assert got == expected
+
+
+def test_a_prefetcher_leaves_the_last_short_batch_to_the_loop_too() -> None:
+    # The same draw, for a DataLoader that a framework built: the loop makes its last batch.
+    def run(wrap: Any) -> list[Any]:
+        loader = wrap(
+            DataLoader(Squares(12), batch_size=5, shuffle=True, generator=torch.Generator())
+        )
+        seen = []
+        for taken in (1, 3, 1):
+            iterator = iter(loader)
+            for _, batch in zip(range(taken), iterator, strict=False):
+                seen.append(batch.tolist())
+                time.sleep(0.003)  # the thread, if it may, makes the last batch meanwhile
+            del iterator
+        return seen
+
+    torch.manual_seed(0)
+    expected = run(lambda loader: loader)
+    torch.manual_seed(0)
+    assert run(lambda loader: Prefetcher(loader, max_prefetch=4)) == expected
 
 
 def test_batches_past_len_come_from_the_loops_thread() -> None:
