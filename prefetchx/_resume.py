@@ -454,7 +454,13 @@ class IndexRecorder:
         itself and returns itself (Lightning's predict wrapper) would start over.
         """
         first = _Once(lambda: self._first(source, at_iter))
-        return itertools.chain(first, map(next, itertools.repeat(source)))
+
+        def parts() -> Iterator[Iterator[Any]]:
+            yield first
+            if not first.ended:  # an empty epoch ends there, as DataLoader's would
+                yield map(next, itertools.repeat(source))
+
+        return itertools.chain.from_iterable(parts())
 
     def _first(self, source: Iterator[Any], at_iter: States) -> Any:
         """The epoch's first index batch, its position noted, or a resumed epoch's first batch
@@ -547,13 +553,14 @@ class _Once:
     """An iterator of the one value ``make()`` returns, made at the first ``next()``.
 
     ``make`` is called once: if it raises, the exception goes to the caller and the iterator is
-    exhausted, as it is after its value.
+    exhausted, as it is after its value; ``ended`` says whether it raised `StopIteration`.
     """
 
-    __slots__ = ("_make",)
+    __slots__ = ("_make", "ended")
 
     def __init__(self, make: Callable[[], Any]) -> None:
         self._make: Callable[[], Any] | None = make
+        self.ended = False
 
     def __iter__(self) -> _Once:
         return self
@@ -562,7 +569,11 @@ class _Once:
         make, self._make = self._make, None
         if make is None:
             raise StopIteration
-        return make()
+        try:
+            return make()
+        except StopIteration:
+            self.ended = True
+            raise
 
 
 def between_epochs(generators: Sequence[torch.Generator], base_seed_next: bool) -> Resume:

@@ -23,6 +23,7 @@ from torch.utils.data import (
     DistributedSampler,
     IterableDataset,
     RandomSampler,
+    Sampler,
     SequentialSampler,
     SubsetRandomSampler,
     WeightedRandomSampler,
@@ -299,6 +300,43 @@ def test_a_sampler_error_does_not_end_the_epoch(
     assert ours == plain_record
     assert [value for value, _ in ours].count(f"IndexError: no index at draw {fail_at}") == 1
     assert len(ours) >= 11  # every index but the failed draw's (with workers, one more is lost)
+
+
+class _EmptyThenRevives(Sampler[int]):
+    """A sampler whose iterator ends at once, then, asked again, yields once more (an iterator
+    that is not a generator may)."""
+
+    def __len__(self) -> int:
+        return 0
+
+    def __iter__(self) -> Iterator[int]:
+        return _Revives()
+
+
+class _Revives:
+    """Ends at its first ``next()``, yields at the second."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def __iter__(self) -> _Revives:
+        return self
+
+    def __next__(self) -> int:
+        self.asked += 1
+        if self.asked == 1:
+            raise StopIteration
+        return 1
+
+
+def test_an_empty_epoch_ends_at_the_first_next_as_with_dataloader() -> None:
+    # DataLoader's first next() asks the sampler once and stops; asking it again in the same
+    # call (the position recorder's next part) would get a batch DataLoader never makes.
+    def run(cls: type[DataLoader[Any]]) -> list[Any]:
+        return outcomes(iter(cls(Squares(4), sampler=_EmptyThenRevives(), batch_size=None)), 1)
+
+    plain_record, ours = both(run)
+    assert ours == plain_record == []
 
 
 # --- samplers are iterated as DataLoader iterates them (FIELD pitfall 17) ---------------------
