@@ -322,8 +322,11 @@ class DataLoaderX(DataLoader[T_co]):
         at the sampler: their data is never loaded. The loader's own ``generator`` and a
         sampler's generator are restored; the global RNG is left alone, so without a
         ``generator`` later epochs match when you restore ``torch.get_rng_state()`` with the
-        rest of your checkpoint (the resumed epoch matches either way). A
-        ``DistributedSampler``'s epoch is yours to set, as always.
+        rest of your checkpoint (the resumed epoch matches either way). A sampler you built
+        without a generator for a loader with one draws from the global RNG, which is then not
+        replayed: the resumed epoch checks its first batch's indices, raises ``ValueError``
+        and ends; give that sampler the loader's generator. A ``DistributedSampler``'s epoch is
+        yours to set, as always.
 
         Random augmentations drawn in the dataset from the workers' RNG are not replayed: they
         depend on what each worker drew before, which skipping does not load. An

@@ -457,7 +457,8 @@ class IndexRecorder:
 
         def parts() -> Iterator[Iterator[Any]]:
             yield first
-            if not first.ended:  # an empty epoch ends there, as DataLoader's would
+            if not first.ended:  # an empty epoch ends there, as DataLoader's would; a refused
+                # replay too: the batches after it would be other than the saved run's
                 yield map(next, itertools.repeat(source))
 
         return itertools.chain.from_iterable(parts())
@@ -503,7 +504,7 @@ class IndexRecorder:
                     indices = next(source)
                 except StopIteration:
                     if drawn < skipped:
-                        raise ValueError(
+                        raise NotReplayed(
                             f"prefetchx: the state says the loop received {skipped} batches of "
                             f"this epoch, but the sampler now yields only {drawn}."
                         ) from None
@@ -540,8 +541,12 @@ class IndexRecorder:
             torch.default_generator.set_state(caller)
 
 
-def _not_replayed() -> ValueError:
-    return ValueError(
+class NotReplayed(ValueError):
+    """The consumed batches of a saved epoch cannot be drawn again: the resumed epoch ends."""
+
+
+def _not_replayed() -> NotReplayed:
+    return NotReplayed(
         "prefetchx: replaying the state's consumed batches drew other indices than the run "
         "that saved it. The sampler's draws are not reproducible from torch generators "
         "(Python's random or numpy?), or the dataset, sampler or seed differ; resuming would "
@@ -553,7 +558,8 @@ class _Once:
     """An iterator of the one value ``make()`` returns, made at the first ``next()``.
 
     ``make`` is called once: if it raises, the exception goes to the caller and the iterator is
-    exhausted, as it is after its value; ``ended`` says whether it raised `StopIteration`.
+    exhausted, as it is after its value; ``ended`` says whether it raised `StopIteration` or
+    `NotReplayed`, after which nothing follows.
     """
 
     __slots__ = ("_make", "ended")
@@ -571,7 +577,7 @@ class _Once:
             raise StopIteration
         try:
             return make()
-        except StopIteration:
+        except (StopIteration, NotReplayed):
             self.ended = True
             raise
 
