@@ -227,9 +227,14 @@ class DataLoaderX(DataLoader[T_co]):
         epoch: Epoch
         building: contextlib.AbstractContextManager[None]
         if recorder is None:
+            building = contextlib.nullcontext()
             if isinstance(resume, IterableResume) and resume.dataset_state is not None:
                 self.dataset.load_state_dict(resume.dataset_state)  # type: ignore[attr-defined]  # checked at load
-            epoch, building = Epoch(None), contextlib.nullcontext()
+                if resume.in_epoch and draws_base_seed:
+                    # The saved run drew DataLoader's base seed when its epoch began, before
+                    # the state; the resumed epoch must not draw it again.
+                    building = _keeping(self.generator or torch.default_generator)
+            epoch = Epoch(None)
         else:
             assert not isinstance(resume, IterableResume)  # load_state_dict checked the kind
             position = Position()
@@ -531,6 +536,16 @@ def _signature() -> inspect.Signature:
         for name, default in PREFETCH_DEFAULTS.items()
     ]
     return base.replace(parameters=[*base.parameters.values(), *ours])
+
+
+@contextlib.contextmanager
+def _keeping(generator: torch.Generator) -> Iterator[None]:
+    """Put ``generator`` back as it was, whatever is drawn from it inside."""
+    state = generator.get_state()
+    try:
+        yield
+    finally:
+        generator.set_state(state)
 
 
 def _refuses_pinning(dataset: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -658,6 +658,34 @@ def test_an_iterable_dataset_with_its_own_state_resumes_where_the_loop_was(
     assert as_lists(resumed) == expected  # and the next epoch starts over
 
 
+@pytest.mark.parametrize("consumed", [1, 3])
+def test_a_resumed_iterable_epoch_leaves_the_global_rng_where_dataloaders_run_does(
+    consumed: int,
+) -> None:
+    # DataLoader draws its base seed from the global RNG as an epoch begins, before the state is
+    # saved with that RNG's; the resumed iter() must not draw it again.
+    torch.manual_seed(0)
+    plain = iter(DataLoader(Resumable(8), batch_size=2))
+    for _ in range(consumed):
+        next(plain)
+    saved_rng = torch.get_rng_state()
+    rest = [batch.tolist() for batch in plain]
+    expected = torch.rand(1)
+
+    torch.manual_seed(0)
+    loader = DataLoaderX(Resumable(8), batch_size=2)
+    it = iter(loader)
+    for _ in range(consumed):
+        next(it)
+    state = _through_disk(loader.state_dict())
+    it.close()
+    resumed = DataLoaderX(Resumable(8), batch_size=2)
+    resumed.load_state_dict(state)
+    torch.set_rng_state(saved_rng)  # with the rest of the checkpoint
+    assert as_lists(resumed) == rest
+    assert torch.equal(torch.rand(1), expected)
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_an_iterable_datasets_own_state_is_restored_between_epochs(num_workers: int) -> None:
     loader = DataLoaderX(Resumable(6), batch_size=2, num_workers=num_workers)
