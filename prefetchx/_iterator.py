@@ -18,7 +18,11 @@ Lifecycle of one iterator:
 * ended: the DataLoader iterator raised `StopIteration`; so does every later ``next()``.
 * closed (`close`, a ``with`` block): the thread is stopped and waited for, bounded, and the
   DataLoader iterator released unless the loader keeps it (persistent workers).
-* dropped (garbage collection, an early ``break``): the thread is asked to stop; nothing waits.
+* dropped (garbage collection, an early ``break``): the thread is asked to stop; only a
+  DataLoader iterator with workers is waited for (at most 1 s, for the call the thread is in)
+  and released then, in the dropping thread, so that its workers shut down there, as
+  DataLoader's do. An iterator kept for persistent workers is released too: its loader, which
+  kept it, is gone.
 * reset (persistent workers only, DataLoader calls ``_reset``): the old epoch's thread is stopped
   and waited for, bounded, before the DataLoader iterator is reset on the calling thread; a
   thread still inside it after the wait makes the reset fail with `RuntimeError` rather than
@@ -197,6 +201,17 @@ class PrefetchIterator(Iterator[T], Generic[T]):
         if isinstance(self._source, _MultiProcessingDataLoaderIter):
             self._stage.abandon()
         self.close()
+
+    def __del__(self) -> None:
+        # Collected: so is whatever kept its DataLoader iterator for persistent workers (the
+        # loader holds this iterator while it keeps it). Nothing else uses that iterator now:
+        # its workers shut down where the loop dropped this, as DataLoader's would.
+        state = self.__dict__
+        stage = state.get("_stage")
+        source = state.get("_source")
+        kept = state.get("_keep_source") and isinstance(source, _MultiProcessingDataLoaderIter)
+        if kept and stage is not None:
+            stage.abandon()
 
     def __enter__(self) -> PrefetchIterator[T]:
         return self

@@ -37,6 +37,11 @@ PARK_WAIT = 0.005
 """Seconds the consumer lets go of the GIL, at most, for a thread it has taken the source back
 from to park (see `_Producer.let_park`)."""
 
+LET_GO_WAIT = 1.0
+"""Seconds the consumer waits, at most, when it leaves a DataLoader multiprocessing iterator
+that nothing else uses while the thread is inside a call of it, for that call to return (see
+`_Producer._let_go`)."""
+
 _SPECIAL = (Signal, Failure, Warned)
 """Queue values that are not plain items."""
 
@@ -306,15 +311,24 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
                     self.queue.wake_producer()
         return value
 
-    def _let_go(self) -> None:
-        """Release the source here and now, unless the thread is inside a call of it.
+    def _let_go(self, wait: float = 0.0) -> None:
+        """Release the source here and now, unless the thread is inside a call of it for
+        longer than ``wait`` seconds.
 
         A DataLoader iterator dropped by its caller shuts its workers down before ``del``
         returns; released here, the last reference to it goes with the consumer's, in the
-        consumer's thread, and so do the workers. A thread inside a call releases it when the
-        call returns.
+        consumer's thread, and so do the workers. Left to the thread, they would shut down in
+        it, later, while the caller may already be joining them: two threads waiting for one
+        child process, of which the one that loses takes it for alive. A call of a DataLoader
+        iterator returns as soon as a worker's batch comes, so ``wait`` covers it but for a
+        worker that does not answer; then the thread releases the source when its call
+        returns (see `Reaper`).
         """
-        if not self.source_lock.acquire(blocking=False):
+        if wait and threading.current_thread() is not self:  # not a collection in the thread
+            acquired = self.source_lock.acquire(timeout=wait)
+        else:
+            acquired = self.source_lock.acquire(blocking=False)
+        if not acquired:
             return
         try:
             source, self.generator = self.generator, None
@@ -382,18 +396,19 @@ class _Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generato
         self.queue.wake_producer()  # a thread that had not parked yet may be asleep elsewhere
 
     def stop(self) -> None:
-        """Ask the thread to stop and free the values it queued; never waits for the thread.
+        """Ask the thread to stop and free the values it queued.
 
         The thread ends as soon as its current call of the source returns. This runs from a
         finalizer too (a dropped iterator, interpreter exit), where waiting would hold up an
-        exception or Ctrl-C raised in the caller's loop. A source the thread is not inside is
-        released here (see `_let_go`).
+        exception or Ctrl-C raised in the caller's loop, so it waits for the thread only to
+        release a source whose workers DataLoader would shut down here, and only so long
+        (see `_let_go`).
         """
         self.stop_event.set()
         self.resume_event.set()  # wake a parked thread so it sees the stop
         self.queue.wake_producer()  # and one waiting for room or backed off
         self.queue.drain()
-        self._let_go()
+        self._let_go(LET_GO_WAIT if self.reapable else 0.0)
         if self.is_alive():
             _stopping.add(self)
 
@@ -438,11 +453,13 @@ class ThreadStage(Iterator[T], Generic[T]):
     hands on every exception. Warnings the source raises in the thread are shown in the
     caller's thread with the item they came with.
 
-    Leaving the stage never waits for the thread: dropping it (garbage collection, an early
+    Leaving the stage does not wait for the thread: dropping it (garbage collection, an early
     ``break``) or an interrupt asks the thread to stop; a source the thread is not inside is
     released then and there, as dropping it without the stage would; otherwise the thread ends
-    when its current call of the source returns, and releases the source then. `close` waits
-    for that, bounded. A
+    when its current call of the source returns, and releases the source then, except that for
+    a ``reapable`` source the caller waits up to 1 s for that call to return and releases it
+    itself (a DataLoader iterator's workers then shut down before the drop returns, as
+    DataLoader's). `close` waits for the thread, bounded. A
     Ctrl-C while waiting for an item is raised at once and loses nothing: the item comes with the
     next ``next()``.
 

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -573,6 +574,37 @@ def test_dropping_an_iterator_shuts_its_workers_down_before_del_returns(persiste
         del it
         alive[cls.__name__] = [w.is_alive() for w in workers]
     assert alive["DataLoaderX"] == alive["DataLoader"] == [False, False]
+
+
+class _SlowItems(Dataset[int]):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> int:
+        time.sleep(0.02)
+        return i
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_workers_of_an_iterator_dropped_mid_call_are_joined_before_the_caller_joins_them(
+    persistent: bool,
+) -> None:
+    # As PyTorch's test_partial_workers: `del it`, then join the workers. With the thread inside
+    # the DataLoader iterator at `del`, its release (and the workers' shutdown with it) came
+    # later, in the thread, while the caller was joining them: two threads waiting for one
+    # child, and the caller, losing, took it for alive.
+    for _ in range(3):
+        it = iter(
+            DataLoaderX(_SlowItems(), batch_size=2, num_workers=2, persistent_workers=persistent)
+        )
+        workers = list(it._workers)
+        for _ in range(3):
+            next(it)
+        assert wait_until(lambda it=it: it._stage._producer.in_source)  # type: ignore[attr-defined]
+        del it
+        for worker in workers:
+            worker.join(30)
+            assert not worker.is_alive()
 
 
 def test_iter_of_an_iterator_is_itself() -> None:
