@@ -593,18 +593,21 @@ def test_workers_of_an_iterator_dropped_mid_call_are_joined_before_the_caller_jo
     # the DataLoader iterator at `del`, its release (and the workers' shutdown with it) came
     # later, in the thread, while the caller was joining them: two threads waiting for one
     # child, and the caller, losing, took it for alive.
-    for _ in range(3):
-        it = iter(
-            DataLoaderX(_SlowItems(), batch_size=2, num_workers=2, persistent_workers=persistent)
-        )
-        workers = list(it._workers)
+    alive: dict[str, list[bool]] = {"DataLoader": [], "DataLoaderX": []}
+    for cls in (DataLoader, DataLoaderX):
         for _ in range(3):
-            next(it)
-        assert wait_until(lambda it=it: it._stage._producer.in_source)  # type: ignore[attr-defined]
-        del it
-        for worker in workers:
-            worker.join(30)
-            assert not worker.is_alive()
+            it = iter(cls(_SlowItems(), batch_size=2, num_workers=2, persistent_workers=persistent))
+            workers = list(it._workers)
+            for _ in range(3):
+                next(it)
+            if cls is DataLoaderX:
+                producer = it._stage._producer  # type: ignore[attr-defined]
+                assert wait_until(lambda p=producer: p.in_source)
+            del it
+            for worker in workers:
+                worker.join(30)
+                alive[cls.__name__].append(worker.is_alive())
+    assert alive["DataLoaderX"] == alive["DataLoader"] == [False] * 6
 
 
 def test_iter_of_an_iterator_is_itself() -> None:
