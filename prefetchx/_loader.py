@@ -182,8 +182,13 @@ class DataLoaderX(DataLoader[T_co]):
         recorder = self._new_recorder()
         epoch, building = self._begin_epoch(recorder, draws_base_seed=True)
         snapshots = self._dataset_snapshots()  # before DataLoader calls iter(dataset)
-        with _handing(self, recorder), building:
-            source = super()._get_iterator()
+        try:
+            with _handing(self, recorder), building:
+                source = super()._get_iterator()
+        except BaseException:
+            # No epoch began: DataLoader's next iter() makes a new iterator, a new epoch.
+            epoch.tally.ended = True
+            raise
         epoch.snapshots = feed = snapshots.over(source) if snapshots is not None else None
         iterator: PrefetchIterator[Any] = PrefetchIterator(
             source,

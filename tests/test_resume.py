@@ -228,6 +228,55 @@ def test_state_after_a_sampler_error_resumes_where_dataloader_goes_on(
     assert got + [value for value, _ in outcomes(iter(resumed))] == expected
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("seeded", [False, True])
+def test_state_after_an_iter_that_failed_is_between_epochs(seeded: bool, persistent: bool) -> None:
+    # With workers, DataLoader's iter() primes their index queues, so a sampler whose first
+    # draw raises makes iter() raise, after the base seed was drawn; the next iter() begins a
+    # new epoch and draws it again. A state saved after the failed iter() resumes that way.
+    # With persistent workers, the failed iter() is the second epoch's, which resets the
+    # iterator the loader keeps.
+    def loader(cls: type[DataLoader[Any]], sampler: FailingSampler) -> DataLoader[Any]:
+        generator = torch.Generator().manual_seed(5) if seeded else None
+        return cls(
+            Squares(8),
+            sampler=sampler,
+            num_workers=2,
+            generator=generator,
+            persistent_workers=persistent,
+        )
+
+    def rest(made: DataLoader[Any]) -> tuple[list[Any], float]:
+        return [value for value, _ in outcomes(iter(made))], torch.rand(1).item()
+
+    def failed_iter(made: DataLoader[Any], sampler: FailingSampler) -> None:
+        if persistent:
+            list(made)
+        sampler.fail_at = 1
+        with pytest.raises(IndexError):
+            iter(made)
+        sampler.fail_at = 0  # draws count from 1: never fails
+
+    torch.manual_seed(0)
+    sampler = FailingSampler(8, fail_at=0)
+    plain = loader(DataLoader, sampler)
+    failed_iter(plain, sampler)
+    expected = rest(plain)
+
+    torch.manual_seed(0)
+    sampler = FailingSampler(8, fail_at=0)
+    saved = loader(DataLoaderX, sampler)
+    failed_iter(saved, sampler)
+    state, rng = _through_disk(saved.state_dict()), torch.get_rng_state()
+    saved.close()
+
+    resumed = loader(DataLoaderX, FailingSampler(8, fail_at=0))
+    torch.set_rng_state(rng)
+    resumed.load_state_dict(state)
+    assert rest(resumed) == expected
+    assert not state["epoch_in_progress"]
+
+
 def test_state_after_the_last_batch_and_after_the_epoch() -> None:
     make = _maker(seeded=True)
     expected = _uninterrupted(make, epochs=2)
