@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import inspect
 import os
 import pickle
@@ -34,6 +35,7 @@ from prefetchx import DataLoaderX
 from prefetchx._adapt import WINDOW, Chooser
 from tests.helpers import (
     REPO,
+    AlwaysThreaded,
     FailingSampler,
     Squares,
     Stream,
@@ -608,6 +610,38 @@ def test_workers_of_an_iterator_dropped_mid_call_are_joined_before_the_caller_jo
                 worker.join(30)
                 alive[cls.__name__].append(worker.is_alive())
     assert alive["DataLoaderX"] == alive["DataLoader"] == [False] * 6
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_an_error_raised_to_the_loop_does_not_keep_the_iterator_or_its_workers(
+    monkeypatch: pytest.MonkeyPatch, threaded: bool
+) -> None:
+    # DataLoader raises a sampler's error without a reference cycle, so `del it` releases its
+    # iterator and joins the workers at once, with or without garbage collection. Ours carries
+    # the error from where it was caught to the loop: nothing on the way may keep it, as its
+    # traceback holds the frames, and their locals the DataLoader iterator.
+    if threaded:
+        monkeypatch.setattr("prefetchx._thread_stage.Chooser", AlwaysThreaded)
+    seen: dict[str, tuple[list[Any], list[bool]]] = {}
+    gc.disable()
+    try:
+        for cls in (DataLoader, DataLoaderX):
+            loader = cls(Squares(12), sampler=FailingSampler(12, 8), batch_size=None, num_workers=2)
+            it = iter(loader)
+            workers = list(it._workers)
+            got: list[Any] = []
+            for _ in range(8):
+                try:
+                    got.append(next(it).tolist())
+                except IndexError:
+                    got.append("IndexError")
+            del it
+            seen[cls.__name__] = (got, [worker.is_alive() for worker in workers])
+    finally:
+        gc.enable()
+    assert seen["DataLoaderX"] == seen["DataLoader"]
+    assert "IndexError" in seen["DataLoader"][0]
+    assert seen["DataLoader"][1] == [False, False]
 
 
 def test_iter_of_an_iterator_is_itself() -> None:
