@@ -221,7 +221,8 @@ class DataLoaderX(DataLoader[T_co]):
     def _new_recorder(self) -> IndexRecorder | None:
         if isinstance(self.dataset, IterableDataset):
             return None  # no sampler: DataLoader's placeholder draws nothing to record
-        return IndexRecorder(super()._index_sampler, random_generators(self))
+        lead = self.num_workers * (self.prefetch_factor or 0)
+        return IndexRecorder(super()._index_sampler, random_generators(self), lead)
 
     def _begin_epoch(
         self, recorder: IndexRecorder | None, draws_base_seed: bool

@@ -367,12 +367,16 @@ class IndexRecorder:
     first draw.
     """
 
-    def __init__(self, sampler: Any, generators: Sequence[torch.Generator]) -> None:
+    def __init__(self, sampler: Any, generators: Sequence[torch.Generator], lead: int = 0) -> None:
         self.sampler = sampler
         self.generators = generators
+        self.lead = lead
+        """Draws DataLoader makes ahead of the loop: its workers' index queues, primed with
+        ``prefetch_factor * num_workers`` draws; 0 without workers."""
         self._global = generators[0] is torch.default_generator
         self._position = Position()
         self._resume: Resume | None = None
+        self._passes = 0  # draws after a replay whose failures the saved run's loop received
         self._building = False
         self._caller_global: torch.Tensor | None = None
 
@@ -387,6 +391,7 @@ class IndexRecorder:
         """
         self._position = position
         self._resume = resume
+        self._passes = 0
         if resume is None:
             return
         if resume.in_epoch:
@@ -459,6 +464,8 @@ class IndexRecorder:
             yield first
             if not first.ended:  # an empty epoch ends there, as DataLoader's would; a refused
                 # replay too: the batches after it would be other than the saved run's
+                if self._passes:
+                    yield _passing(source, self._passes)
                 yield map(next, itertools.repeat(source))
 
         return itertools.chain.from_iterable(parts())
@@ -499,29 +506,37 @@ class IndexRecorder:
         try:
             set_states(self.generators, resume.at_draw)
             skipped = resume.consumed
-            for drawn in range(skipped + 1):
+            # A draw that raised reached the saved run's loop in place of a batch: without
+            # workers the batch of that draw; with workers, whose index queues DataLoader keeps
+            # `lead` draws ahead, the batch received when it drew (whose data is lost), so draw
+            # `lead + i` fails batch `i`. Failures before that bound were received.
+            received = self.lead + skipped
+            slots = 0  # batches of the saved run's loop drawn so far
+            for drawn in itertools.count():
                 try:
                     indices = next(source)
                 except StopIteration:
-                    if drawn < skipped:
+                    if slots < skipped:
                         raise NotReplayed(
                             f"prefetchx: the state says the loop received {skipped} batches of "
-                            f"this epoch, but the sampler now yields only {drawn}."
+                            f"this epoch, but the sampler now yields only {slots}."
                         ) from None
                     return None
                 except Exception:
-                    # The saved run's loop got this error in place of a batch (it counts among
-                    # those consumed), or gets it next; the sampler goes on after it.
                     if drawn == 0 and resume.digest is not None:
                         raise _not_replayed() from None
-                    if drawn == skipped:
-                        raise
-                    continue
+                    if drawn >= received:
+                        raise  # the saved run's loop gets it next
+                    if not self.lead:
+                        slots += 1
+                    continue  # the sampler goes on after it, as DataLoader asks again
                 if drawn == 0 and resume.digest is not None and digest(indices) != resume.digest:
                     raise _not_replayed()
-                if drawn == skipped:
+                if slots == skipped:
+                    self._passes = max(0, received - drawn - 1)
                     return indices
-            return None  # unreachable: the loop returns on its last pass
+                slots += 1
+            raise AssertionError("unreachable: the loop returns or raises")
         finally:
             self._restore(caller)
 
@@ -552,6 +567,18 @@ def _not_replayed() -> NotReplayed:
         "(Python's random or numpy?), or the dataset, sampler or seed differ; resuming would "
         "train on the wrong samples."
     )
+
+
+def _passing(source: Iterator[Any], draws: int) -> Iterator[Any]:
+    """The next ``draws`` draws of ``source``, those that raise left out: after a replay, the
+    failures the saved run's loop received, drawn again as DataLoader's workers draw ahead."""
+    for _ in range(draws):
+        try:
+            yield next(source)
+        except StopIteration:
+            return
+        except Exception:  # received by the saved run's loop
+            continue
 
 
 class _Once:

@@ -207,14 +207,36 @@ def test_state_after_an_error_resumes_after_the_failed_batch(num_workers: int) -
     assert got + take(resumed) == expected
 
 
-@pytest.mark.parametrize(("fail_at", "consumed"), [(1, 1), (1, 3), (3, 2), (3, 3), (3, 5)])
+@pytest.mark.parametrize(
+    ("num_workers", "fail_at", "consumed"),
+    [
+        (0, 1, 1),
+        (0, 1, 3),
+        (0, 3, 2),
+        (0, 3, 3),
+        (0, 3, 5),
+        (2, 5, 1),
+        (2, 6, 1),
+        (2, 6, 2),
+        (2, 6, 3),
+        (2, 8, 2),
+        (2, 8, 5),
+    ],
+)
 def test_state_after_a_sampler_error_resumes_where_dataloader_goes_on(
-    fail_at: int, consumed: int
+    num_workers: int, fail_at: int, consumed: int
 ) -> None:
     # DataLoader asks a sampler that raised again at the next batch; the saved run's loop got
-    # the error in place of a batch, so the replay draws past it as the saved run did.
+    # the error in place of a batch, so the replay draws past it as the saved run did. With
+    # workers, DataLoader draws 4 indices ahead (2 workers, prefetch_factor 2): the error comes
+    # in place of the batch received when it drew, and that batch is lost.
     def loader(cls: type[DataLoader[Any]] = DataLoaderX) -> DataLoader[Any]:
-        return cls(Squares(12), sampler=FailingSampler(12, fail_at), batch_size=None)
+        return cls(
+            Squares(12),
+            sampler=FailingSampler(12, fail_at),
+            batch_size=None,
+            num_workers=num_workers,
+        )
 
     expected = [value for value, _ in outcomes(iter(loader(DataLoader)))]
     saved = loader()
