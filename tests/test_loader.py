@@ -32,7 +32,6 @@ from torch.utils.data import (
 )
 
 from prefetchx import DataLoaderX
-from prefetchx._adapt import WINDOW, Chooser
 from tests.helpers import (
     REPO,
     AlwaysThreaded,
@@ -612,21 +611,23 @@ def test_workers_of_an_iterator_dropped_mid_call_are_joined_before_the_caller_jo
     assert alive["DataLoaderX"] == alive["DataLoader"] == [False] * 6
 
 
-@pytest.mark.parametrize("threaded", [False, True])
+@pytest.mark.parametrize("max_prefetch", [0, 2])
 def test_an_error_raised_to_the_loop_does_not_keep_the_iterator_or_its_workers(
-    monkeypatch: pytest.MonkeyPatch, threaded: bool
+    max_prefetch: int,
 ) -> None:
     # DataLoader raises a sampler's error without a reference cycle, so `del it` releases its
     # iterator and joins the workers at once, with or without garbage collection. Ours carries
-    # the error from where it was caught to the loop: nothing on the way may keep it, as its
-    # traceback holds the frames, and their locals the DataLoader iterator.
-    if threaded:
-        monkeypatch.setattr("prefetchx._thread_stage.Chooser", AlwaysThreaded)
+    # the error from where it was caught (in the caller's thread, or in ours) to the loop:
+    # nothing on the way may keep it, as its traceback holds the frames, and their locals the
+    # DataLoader iterator.
     seen: dict[str, tuple[list[Any], list[bool]]] = {}
     gc.disable()
     try:
         for cls in (DataLoader, DataLoaderX):
-            loader = cls(Squares(12), sampler=FailingSampler(12, 8), batch_size=None, num_workers=2)
+            extra = {"max_prefetch": max_prefetch} if cls is DataLoaderX else {}
+            loader = cls(
+                Squares(12), sampler=FailingSampler(12, 8), batch_size=None, num_workers=2, **extra
+            )
             it = iter(loader)
             workers = list(it._workers)
             got: list[Any] = []
@@ -917,17 +918,6 @@ def test_timm_turns_mixup_off_through_the_loader() -> None:
     assert plain.mixup_enabled is False
 
 
-class _AlwaysThreaded(Chooser):
-    """A chooser that runs the thread from the second batch on and never parks it."""
-
-    def start(self) -> tuple[bool, int]:
-        self.threaded = True
-        return True, WINDOW
-
-    def window(self, period: float, means: Any) -> tuple[bool, int]:
-        return True, WINDOW
-
-
 def test_batches_the_loop_makes_for_a_late_thread_are_dataloaders(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -935,7 +925,7 @@ def test_batches_the_loop_makes_for_a_late_thread_are_dataloaders(
     # the thread has not started, the thread what it gets to, in turns; the batches, their
     # order and the draws from the loader's generator (one per epoch, and the sampler's at its
     # end) stay DataLoader's.
-    monkeypatch.setattr("prefetchx._thread_stage.Chooser", _AlwaysThreaded)
+    monkeypatch.setattr("prefetchx._thread_stage.Chooser", AlwaysThreaded)
     gate = ThreadGate(monkeypatch)
     got: dict[str, Any] = {}
     for cls in (DataLoader, DataLoaderX):
