@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import sys
 import threading
@@ -343,13 +344,16 @@ class DataLoaderX(DataLoader[T_co]):
         depend on what each worker drew before, which skipping does not load. An
         ``IterableDataset``'s own saved state is loaded into it before the next ``iter()``; a
         state inside an epoch without one (no ``state_dict`` on the dataset, or workers) warns,
-        and the next epoch starts from the beginning of the dataset.
+        and the next epoch starts from the beginning of the dataset. So does a state inside an
+        epoch of a loader with ``in_order=False`` and workers, whose batches come as the workers
+        finish them, so that the ones the loop received are not the first ones drawn: it warns,
+        and the next epoch is that epoch again from its first batch, in the same order.
 
         Raises:
             TypeError: ``state`` is not a state of a `DataLoaderX`.
             ValueError: A field of ``state`` is missing or malformed (the message names it),
                 ``state`` comes from a loader with another dataset length, batch size,
-                ``drop_last``, sampler or shard, holds a dataset state for a dataset that has
+                ``drop_last``, sampler, shard or ``in_order``, holds a dataset state for a dataset that has
                 none, or (at the next ``iter()`` or first batch) its replay draws other indices.
         """
         described = describe(self, super()._index_sampler)
@@ -370,7 +374,17 @@ class DataLoaderX(DataLoader[T_co]):
                 )
             self._resume = resume
         else:
-            self._resume = Resume.from_state(state, described, random_generators(self))
+            replay = Resume.from_state(state, described, random_generators(self))
+            if replay.in_epoch and replay.consumed and described.get("in_order") is False:
+                warnings.warn(
+                    f"prefetchx: the state was taken {replay.consumed} batches into an epoch of "
+                    "a loader with in_order=False and workers, whose batches come as the "
+                    "workers finish them: which of the epoch's batches the loop received is "
+                    "not known. The next epoch is that epoch again, from its first batch.",
+                    stacklevel=2,
+                )
+                replay = dataclasses.replace(replay, consumed=0)
+            self._resume = replay
 
     def close(self) -> None:
         """Stop every iterator of this loader still running, and shut down persistent workers.

@@ -99,6 +99,9 @@ def describe(loader: Any, index_sampler: Any) -> dict[str, Any]:
         value = getattr(sampler, name, None)
         if isinstance(value, int):
             described[name] = value
+    if loader.num_workers > 0 and getattr(loader, "in_order", True) is False:
+        # Batches come as the workers finish them (torch >= 2.6), not in the sampler's order.
+        described["in_order"] = False
     return described
 
 

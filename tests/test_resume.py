@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import inspect
 import io
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
@@ -11,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 
 from prefetchx import DataLoaderX
 from tests.helpers import (
@@ -297,6 +299,53 @@ def test_state_after_an_iter_that_failed_is_between_epochs(seeded: bool, persist
     resumed.load_state_dict(state)
     assert rest(resumed) == expected
     assert not state["epoch_in_progress"]
+
+
+class _FirstIsSlow(Dataset[int]):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> int:
+        if i == 0:
+            time.sleep(0.3)  # its worker returns it after several of the other worker's
+        return i
+
+
+@pytest.mark.skipif(
+    "in_order" not in inspect.signature(DataLoader).parameters, reason="torch < 2.6"
+)
+def test_state_inside_an_out_of_order_epoch_restarts_that_epoch() -> None:
+    # With in_order=False, DataLoader hands over batches as its workers finish them, so the
+    # batches the loop received are not the first ones drawn: skipping as many at the sampler
+    # would repeat some and lose others. The resumed epoch warns and starts that same epoch
+    # again, so every batch of it comes.
+    def loader(cls: type[DataLoader[Any]]) -> DataLoader[Any]:
+        return cls(
+            _FirstIsSlow(),
+            batch_size=None,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(3),
+            num_workers=2,
+            in_order=False,
+        )
+
+    epoch = sorted(int(b) for b in loader(DataLoader))
+    saved = loader(DataLoaderX)
+    it = iter(saved)
+    got = [int(next(it)) for _ in range(4)]
+    state = _through_disk(saved.state_dict())
+    it.close()
+
+    resumed = loader(DataLoaderX)
+    with pytest.warns(UserWarning, match="in_order=False"):
+        resumed.load_state_dict(state)
+    again = [int(b) for b in resumed]
+    assert sorted(again) == epoch == list(range(16))
+    assert set(got) < set(again)
+
+    in_order = DataLoaderX(_FirstIsSlow(), batch_size=None, num_workers=2)
+    with pytest.raises(ValueError, match="in_order False there, None here"):
+        in_order.load_state_dict(state)
 
 
 def test_state_after_the_last_batch_and_after_the_epoch() -> None:
