@@ -353,8 +353,9 @@ class DataLoaderX(DataLoader[T_co]):
             TypeError: ``state`` is not a state of a `DataLoaderX`.
             ValueError: A field of ``state`` is missing or malformed (the message names it),
                 ``state`` comes from a loader with another dataset length, batch size,
-                ``drop_last``, sampler, shard or ``in_order``, holds a dataset state for a dataset that has
-                none, or (at the next ``iter()`` or first batch) its replay draws other indices.
+                ``drop_last``, sampler, shard or ``in_order``, holds a dataset state for a
+                dataset that has none, or (at the next ``iter()`` or first batch) its replay
+                draws other indices.
         """
         described = describe(self, super()._index_sampler)
         if isinstance(self.dataset, IterableDataset):
