@@ -156,12 +156,8 @@ class PrefetchIterator(Iterator[T], Generic[T]):
         # The loader is passed in, not kept: DataLoader's iterators hold no reference to their
         # loader, so dropping a loader shuts its persistent workers down at once.
         epoch, building = begin(self._recorder, draws_base_seed=False)
-        try:
-            with building:
-                source._reset(loader, first_iter)  # type: ignore[attr-defined]  # DataLoader's own
-        except BaseException:
-            epoch.tally.ended = True  # as in `DataLoaderX._get_iterator`: no epoch began
-            raise
+        with building:
+            source._reset(loader, first_iter)  # type: ignore[attr-defined]  # DataLoader's own
         self._start(epoch)
 
     def close(self) -> None:

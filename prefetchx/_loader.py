@@ -183,13 +183,8 @@ class DataLoaderX(DataLoader[T_co]):
         recorder = self._new_recorder()
         epoch, building = self._begin_epoch(recorder, draws_base_seed=True)
         snapshots = self._dataset_snapshots()  # before DataLoader calls iter(dataset)
-        try:
-            with _handing(self, recorder), building:
-                source = super()._get_iterator()
-        except BaseException:
-            # No epoch began: DataLoader's next iter() makes a new iterator, a new epoch.
-            epoch.tally.ended = True
-            raise
+        with _handing(self, recorder), building:
+            source = super()._get_iterator()
         epoch.snapshots = feed = snapshots.over(source) if snapshots is not None else None
         iterator: PrefetchIterator[Any] = PrefetchIterator(
             source,
@@ -248,7 +243,7 @@ class DataLoaderX(DataLoader[T_co]):
             recorder.begin(position, resume, draws_base_seed)
             epoch, building = Epoch(position), recorder.building(draws_base_seed)
         self._latest = epoch
-        return epoch, building
+        return epoch, _beginning(epoch, building)
 
     def _dataset_snapshots(self) -> DatasetSnapshots | None:
         """For an IterableDataset with its own state, iterated in this process: its states."""
@@ -557,6 +552,22 @@ def _signature() -> inspect.Signature:
         for name, default in PREFETCH_DEFAULTS.items()
     ]
     return base.replace(parameters=[*base.parameters.values(), *ours])
+
+
+@contextlib.contextmanager
+def _beginning(epoch: Epoch, building: contextlib.AbstractContextManager[None]) -> Iterator[None]:
+    """Around DataLoader making or resetting its iterator for ``epoch``, inside ``building``.
+
+    If that raises, no epoch began: DataLoader's next ``iter()`` begins a new one (with workers,
+    a sampler whose first draw raises makes ``iter()`` raise), so a state taken now is between
+    epochs.
+    """
+    try:
+        with building:
+            yield
+    except BaseException:
+        epoch.tally.ended = True
+        raise
 
 
 @contextlib.contextmanager
