@@ -67,9 +67,9 @@ class Series:
         Reading the meter folds the samples, so whatever decides from recent samples reads them
         here, never from ``pending`` alone.
         """
-        pending = self.pending[:]
+        pending = self.pending[-n:] if n > 0 else []  # one slice: a fold may run meanwhile
         if len(pending) >= n:
-            return pending[len(pending) - n :]
+            return pending
         wanted = n - len(pending)
         older = list(itertools.islice(reversed(self._recent), wanted))
         older.reverse()
