@@ -31,8 +31,9 @@ Lifecycle of one iterator:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
@@ -57,6 +58,15 @@ class Epoch:
         """Where the sampler is, for `DataLoaderX.state_dict`; ``None`` without a sampler."""
         self.snapshots: DatasetSnapshots | None = None
         """An IterableDataset's own states after each batch, where they can be known."""
+
+
+class _StagesNext(property):
+    """``PrefetchIterator.__next__``: read from an iterator, its stage's own ``__next__``, bound,
+    so ``next()`` calls that with no frame of the iterator's in between (a loop with no work
+    pays 1% for one); read from the class, a function of the iterator, as a method would be."""
+
+    def __call__(self, iterator: PrefetchIterator[Any]) -> Any:
+        return iterator._next()
 
 
 class PrefetchIterator(Iterator[T], Generic[T]):
@@ -114,8 +124,12 @@ class PrefetchIterator(Iterator[T], Generic[T]):
     def __iter__(self) -> PrefetchIterator[T]:
         return self
 
-    def __next__(self) -> T:
-        return self._next()
+    if TYPE_CHECKING:
+
+        def __next__(self) -> T: ...
+
+    else:
+        __next__ = _StagesNext(operator.attrgetter("_next"))
 
     def __len__(self) -> int:
         source = self._source

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections.abc
 import copy
 import gc
 import inspect
@@ -648,6 +649,19 @@ def test_an_error_raised_to_the_loop_does_not_keep_the_iterator_or_its_workers(
 def test_iter_of_an_iterator_is_itself() -> None:
     it = iter(DataLoaderX(Squares(4), batch_size=2))
     assert iter(it) is it
+
+
+def test_an_iterators_next_works_every_way_dataloaders_does() -> None:
+    def use(loader: DataLoader[Any]) -> list[Any]:
+        it = iter(loader)
+        method = it.__next__  # bound before the calls, as a loop that caches it would
+        got = [next(it), it.__next__(), method(), type(it).__next__(it)]
+        got += list(it)  # the rest: one batch, then StopIteration, the same way each time
+        with pytest.raises(StopIteration):
+            it.__next__()
+        return [*as_lists(got), isinstance(it, collections.abc.Iterator)]
+
+    assert use(DataLoaderX(Squares(10), batch_size=2)) == use(DataLoader(Squares(10), batch_size=2))
 
 
 def test_distributed_sampler_set_epoch_through_loader_sampler() -> None:
