@@ -117,6 +117,13 @@ class Chooser:
         self._probed_s = 0.0
         """Their time, in seconds."""
 
+    @property
+    def steady(self) -> bool:
+        """Whether the next window is the incumbent's, with no probe under way. With the loop
+        making the batches at under twice `HIDE_AT_LEAST_S` a batch, its end is then decided on
+        the window's time alone."""
+        return not (self.memory.probing or self._settling)
+
     def start(self) -> tuple[bool, int]:
         """The first mode after the epoch's first batch, and its window's length."""
         memory = self.memory

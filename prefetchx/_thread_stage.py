@@ -17,7 +17,7 @@ import torch
 from prefetch_generator import BackgroundGenerator
 
 from prefetchx import _engine
-from prefetchx._adapt import WINDOW, Chooser, Memory
+from prefetchx._adapt import HIDE_AT_LEAST_S, WINDOW, Chooser, Memory
 from prefetchx._checks import check_int
 from prefetchx._device import set_thread_device
 from prefetchx._engine import POLL_INTERVAL, REAPER, Channel, Failure, Reaped, Signal, discard
@@ -41,6 +41,18 @@ LET_GO_WAIT = 1.0
 """Seconds the consumer waits, at most, when it leaves a DataLoader multiprocessing iterator
 that nothing else uses while the thread is inside a call of it, for that call to return (see
 `_Producer._let_go`)."""
+
+COARSE_BELOW_S = 2 * HIDE_AT_LEAST_S
+"""Below this time per batch (20 us), a loop that makes its own batches is never offered the
+thread (see `prefetchx._adapt`), so the chooser needs nothing but each window's time; the meter
+has no stall to find there either, and timing each batch would cost the loop about 3% (two
+clock reads and two appends against the 6 us a DataLoader takes for a batch of no work): the
+meter then times one batch in each window of `COARSE_WINDOW` and counts the others (see
+`ThreadStage._checkpoint`)."""
+
+COARSE_WINDOW = 16 * WINDOW
+"""Batches in a window of a loop under `COARSE_BELOW_S` a batch: a change in the loop is seen
+within about 5 ms, and a window's end costs each of its batches next to nothing."""
 
 _SPECIAL = (Signal, Failure, Warned)
 """Queue values that are not plain items."""
@@ -484,6 +496,12 @@ class ThreadStage(Iterator[T], Generic[T]):
     10 us, as less is not worth a hand-off. A loader's next epoch goes on from where the last
     one's choice stood. Only one of the two ever calls the source at a time.
 
+    The same clock reads feed the stall meter, ``stats``: each item's wait and the step before
+    it. A loop that makes its own items at under 20 us an item has no stall to find, and two
+    clock reads an item would cost it a few percent: there the meter times the first item of
+    each window of 256 and counts the others. Each counted item gets the timed one's wait, and
+    their steps share what is left of the window's time; counts stay exact.
+
     Args:
         source: The iterator to run ahead. Create it on the calling thread.
         max_prefetch: Items kept ready. ``0`` runs no thread: ``next()`` pulls from ``source``
@@ -553,6 +571,11 @@ class ThreadStage(Iterator[T], Generic[T]):
         self._window = WINDOW  # outcomes in the current window
         self._window_start = 0.0
         self._returned_at: float | None = None
+        self._sampling = False  # the next batch is a fast loop's timed one (see `_checkpoint`)
+        self._coarse = False  # batches are counted, not timed, until the window ends
+        self._coarse_from = 0.0  # when the counted part of the window began
+        self._estimate = 0.0  # the wait recorded for each counted batch: the timed one's
+        self._step_estimate = 0.0  # a counted batch's step, for those filed at a close
         self._add_step = self.stats.step.add
         self._add_wait = self.stats.wait.add
         self._add_occupancy = self.stats.occupancy.add
@@ -562,38 +585,36 @@ class ThreadStage(Iterator[T], Generic[T]):
 
     def __next__(self) -> T:
         # The hot path: a loop with no step work pays for every line here, so a batch costs two
-        # clock reads and two list appends; the rest happens at a checkpoint every `WINDOW`
-        # batches.
-        asked_at = perf_counter()
-        previous = self._returned_at
-        if previous is not None:
-            self._add_step(asked_at - previous)
+        # clock reads and two list appends, or, in a loop too fast to be worth timing (see
+        # `_checkpoint`), one append; the rest happens at a window's end.
         value: Any
-        if self._inline:
-            # `_make_here`, written out: this is the whole per-batch path of a loop with no step
-            # work, where one more call costs a measurable share.
-            source = self._source
-            if source is None:
-                raise StopIteration
-            self._made += 1
+        if self._coarse:
+            # Counted, not timed (see `_checkpoint`): the caller makes every batch, the thread
+            # parked or absent, and `_file_steps` counts them in `_made` (`close` ends this).
             try:
-                value = next(source)
+                value = next(self._source)  # type: ignore[arg-type]  # not None: not closed
             except StopIteration:
+                # The steps of the batches counted, the last one's included: as timed, the
+                # loop asked for this call after it.
+                self._file_steps(perf_counter(), self._window - self._countdown)
                 self._end()
                 raise
             except BaseException as exc:
                 value = Failure(exc)
-            if self._to_start:
-                self._begin()
+            self._add_wait(self._estimate)
         else:
-            value = self._from_queue()
-        self._returned_at = returned_at = perf_counter()
-        if previous is None:
-            self.stats.warmup_s = returned_at - asked_at
-        self._add_wait(returned_at - asked_at)
+            asked_at = perf_counter()
+            previous = self._returned_at
+            if previous is not None:
+                self._add_step(asked_at - previous)
+            value = self._make_here() if self._inline else self._from_queue()
+            self._returned_at = returned_at = perf_counter()
+            if previous is None:
+                self.stats.warmup_s = returned_at - asked_at
+            self._add_wait(returned_at - asked_at)
         self._countdown -= 1
         if not self._countdown:
-            self._checkpoint()  # `counted`, written out
+            self._checkpoint(facing=True)  # `counted`, written out
         if value.__class__ is Failure:
             self.stats.errors += 1
             # The traceback keeps this frame: it must not keep the stage (and its thread) alive.
@@ -766,25 +787,68 @@ class ThreadStage(Iterator[T], Generic[T]):
             self.tally.ended = True
         self.close()
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, facing: bool = False) -> None:
         """A window's end: who makes the next items (see `Chooser`); the meter folds its
-        samples when they pile up."""
+        samples when they pile up.
+
+        ``facing``: the loop gets its items from this stage's ``next()``, which then records the
+        meter's waits and steps. There, a loop under `COARSE_BELOW_S` a batch that makes its own
+        batches, with no probe of the thread to come, gets windows of `COARSE_WINDOW` batches
+        whose first batch alone is timed: each of the others is counted with that batch's wait,
+        and at the window's end their steps are filed, each an equal share of what is left of
+        the window's time. Every count stays exact, and so does the window's time unless the
+        timed wait was longer than the others; the chooser, which needs nothing but each
+        window's time there, is unaffected.
+        """
+        now = perf_counter()
+        if self._sampling:  # the window's timed batch: the others are counted
+            self._sampling = False
+            self._coarse = True
+            self._estimate = self.stats.wait.last(1)[0]
+            self._step_estimate = self.stats.step.last(1)[0]
+            self._window = COARSE_WINDOW
+            self._countdown = COARSE_WINDOW - 1
+            self._coarse_from = now
+            return
+        if self._coarse:
+            self._file_steps(now, self._window - 1)
+            self._returned_at = now  # the next step is timed from here
+        period = (now - self._window_start) / self._window
         chooser = self._chooser
-        if chooser is None or self._source is None:
-            self._countdown = WINDOW
-        else:
-            now = perf_counter()
+        length = WINDOW
+        if chooser is not None and self._source is not None:
             if self._pausing:  # the source has not come back yet: the switch is still going on
                 length = 1
             else:
-                period = (now - self._window_start) / self._window
                 threaded, length = chooser.window(period, self._means)
                 if threaded == self._inline:
                     self._switch(threaded)
-            self._window = self._countdown = length
-            self._window_start = perf_counter()
+        self._window = self._countdown = length
+        self._window_start = perf_counter()
+        if (
+            facing
+            and period < COARSE_BELOW_S
+            and length == WINDOW
+            and self._inline
+            and self._source is not None
+            and (chooser is None or chooser.steady)
+        ):
+            self._sampling = True
+            self._countdown = 1
         if len(self.stats.wait.pending) >= FOLD_EVERY:
             self.stats.fold()
+
+    def _file_steps(self, now: float | None, batches: int) -> None:
+        """End a counted part of a window: ``batches`` steps, each the mean of what is left of
+        the part's time up to ``now`` once their counted waits are taken out; with ``now``
+        ``None`` (a close, long after the last batch maybe), each the last such mean."""
+        self._coarse = False
+        self._made += batches
+        if batches > 0:
+            if now is not None:
+                elapsed = now - self._coarse_from
+                self._step_estimate = max(0.0, elapsed / batches - self._estimate)
+            self.stats.step.pending.extend([self._step_estimate] * batches)
 
     def _means(self) -> tuple[float, float]:
         """The current window's mean step and mean wait."""
@@ -835,6 +899,9 @@ class ThreadStage(Iterator[T], Generic[T]):
         """
         if self._finalizer is not None:
             self._finalizer.detach()
+        if self._coarse:  # the steps of the batches counted so far
+            self._file_steps(None, self._window - 1 - self._countdown)
+        self._sampling = False
         producer = self._producer
         if producer is not None:
             producer.stop()

@@ -411,7 +411,7 @@ def test_the_api_reference_names_no_private_object() -> None:
 
 def test_the_numbers_the_reference_gives_are_the_constants() -> None:
     # It gives them instead of naming the private constants; this keeps them true.
-    from prefetchx import _adapt, _engine, _stats
+    from prefetchx import _adapt, _engine, _stats, _thread_stage
     from prefetchx._stats import EpochStats
     from prefetchx._thread_stage import ThreadStage
 
@@ -424,5 +424,7 @@ def test_the_numbers_the_reference_gives_are_the_constants() -> None:
     assert f"at most every {_adapt.MAX_BACKOFF} windows" in stage
     assert f"the first {_adapt.FIRST} items after the first" in stage
     assert f"take at least {_adapt.HIDE_AT_LEAST_S * 1e6:g} us" in stage
+    assert f"under {_thread_stage.COARSE_BELOW_S * 1e6:g} us an item" in stage
+    assert f"each window of {_thread_stage.COARSE_WINDOW}" in stage
     assert f"Waits up to {_engine.JOIN_TIMEOUT:g} s" in words(ThreadStage.close.__doc__)
     assert f"most recent {_stats.WINDOW} samples" in words(EpochStats.__doc__)

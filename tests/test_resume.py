@@ -163,6 +163,31 @@ def test_state_counts_batches_received_not_batches_made_ahead() -> None:
     it.close()
 
 
+@pytest.mark.adaptive
+@pytest.mark.parametrize("consumed", [300, 701])
+def test_state_inside_a_loop_too_fast_to_time_each_batch(
+    consumed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every loop counts as too fast here: the stage counts batches without timing them.
+    monkeypatch.setattr("prefetchx._thread_stage.COARSE_BELOW_S", 1.0)
+
+    def make(kind: type[DataLoader[Any]]) -> DataLoader[Any]:
+        return kind(range(2000), batch_size=2, shuffle=True, generator=torch.Generator())
+
+    torch.manual_seed(3)
+    expected = as_lists(make(DataLoader))
+    torch.manual_seed(3)
+    loader = make(DataLoaderX)
+    it = iter(loader)
+    got = [next(it).tolist() for _ in range(consumed)]
+    assert it._stage._coarse  # inside a window of counted batches
+    state = loader.state_dict()
+    resumed = make(DataLoaderX)
+    assert isinstance(resumed, DataLoaderX)
+    resumed.load_state_dict(state)
+    assert got + as_lists(resumed) == expected
+
+
 def test_state_after_an_early_break_and_a_dropped_iterator() -> None:
     make = _maker(seeded=True)
     expected = _uninterrupted(make, epochs=1)[0]

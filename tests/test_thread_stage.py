@@ -1050,6 +1050,159 @@ def test_tally_is_not_ended_by_close(max_prefetch: int) -> None:
     assert (stage.tally.count, stage.tally.ended) == (1, False)
 
 
+class _Clock:
+    """A stand-in for ``perf_counter`` that moves only when told: a source and a loop whose
+    waits and steps take exactly the time given, and a count of the stage's clock reads."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.reads = 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return self.now
+
+
+class _Timed(Flaky):
+    """`Flaky` whose calls take ``wait(i)`` seconds on ``clock``."""
+
+    def __init__(self, clock: _Clock, n: int, wait: Callable[[int], float], **kw: Any) -> None:
+        super().__init__(n, **kw)
+        self.clock, self.wait = clock, wait
+
+    def __next__(self) -> int:
+        self.clock.now += self.wait(self.i)
+        return super().__next__()
+
+
+def _fast_loop(
+    monkeypatch: pytest.MonkeyPatch,
+    n: int,
+    wait: Callable[[int], float],
+    step: Callable[[int], float],
+    *,
+    timed_only: bool = False,
+    max_prefetch: int = 2,
+    **kw: Any,
+) -> tuple[ThreadStage[int], list[Any], _Clock]:
+    """A loop over a `_Timed` source on a `_Clock`; ``timed_only`` times every batch."""
+    clock = _Clock()
+    monkeypatch.setattr("prefetchx._thread_stage.perf_counter", clock)
+    if timed_only:
+        monkeypatch.setattr("prefetchx._thread_stage.COARSE_BELOW_S", 0.0)
+    stage = ThreadStage(_Timed(clock, n, wait, **kw), max_prefetch=max_prefetch)
+    got = []
+    i = 0
+
+    def between() -> None:
+        nonlocal i
+        clock.now += step(i)
+        i += 1
+
+    got = outcomes(stage, between=between)
+    return stage, got, clock
+
+
+@pytest.mark.adaptive
+@pytest.mark.parametrize("max_prefetch", [0, 2])
+def test_a_loop_too_fast_to_time_each_batch_reads_the_clock_once_a_window(
+    monkeypatch: pytest.MonkeyPatch, max_prefetch: int
+) -> None:
+    n = 3000
+    stage, got, clock = _fast_loop(
+        monkeypatch, n, lambda i: 2e-6, lambda i: 3e-6, max_prefetch=max_prefetch
+    )
+    assert [value for value, _ in got] == list(range(n))
+    assert stage.thread is None
+    assert clock.reads < n // 8  # two a batch if every batch were timed
+    # What the meter files, it files for every batch, with the exact totals here.
+    stats = stage.stats
+    assert (stats.batches, stats.wait.count, stats.step.count) == (n, n, n)
+    assert stats.wait.total == pytest.approx(n * 2e-6)
+    assert stats.step.total == pytest.approx(n * 3e-6)
+    assert stats.step.percentile(50) == pytest.approx(3e-6)
+
+
+@pytest.mark.adaptive
+def test_counted_batches_give_the_meter_what_timing_each_would(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def wait(i: int) -> float:
+        return 4e-6
+
+    def step(i: int) -> float:
+        return 1e-6 if i % 2 else 5e-6
+
+    coarse, got, _ = _fast_loop(monkeypatch, 2000, wait, step)
+    timed, expected, _ = _fast_loop(monkeypatch, 2000, wait, step, timed_only=True)
+    assert got == expected
+    ours, theirs = coarse.stats.as_dict(), timed.stats.as_dict()
+    for key in ("batches", "errors", "inline_batches", "wait_total_s", "wait_mean_s"):
+        assert ours[key] == pytest.approx(theirs[key]), key
+    # The steps alternate; counted batches get their mean, so only the sums agree.
+    assert ours["step_total_s"] == pytest.approx(theirs["step_total_s"])
+    assert ours["step_mean_s"] == pytest.approx(3e-6)
+    assert ours["input_bound_fraction"] == pytest.approx(theirs["input_bound_fraction"])
+
+
+@pytest.mark.adaptive
+def test_errors_in_a_loop_too_fast_to_time_are_outcomes_as_from_the_source(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fail_at = {700: ValueError("seven hundred"), 701: KeyError("next"), 1500: Abort("x")}
+    stage, got, clock = _fast_loop(
+        monkeypatch, 2000, lambda i: 1e-6, lambda i: 1e-6, fail_at=dict(fail_at)
+    )
+    assert got == outcomes(Flaky(2000, fail_at=dict(fail_at)))
+    assert clock.reads < 2000 // 8
+    assert (stage.stats.batches, stage.stats.errors) == (1997, 3)
+    assert (stage.tally.count, stage.tally.ended) == (2000, True)
+
+
+@pytest.mark.adaptive
+def test_a_loop_that_slows_down_is_timed_batch_by_batch_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def step(i: int) -> float:
+        return 1e-6 if i < 1500 else 50e-6
+
+    stage, got, clock = _fast_loop(monkeypatch, 2000, lambda i: 1e-6, step)
+    assert [value for value, _ in got] == list(range(2000))
+    # Within a window of counted batches (at most 256 of them), every batch timed again.
+    assert clock.reads > 2 * 200
+    assert stage.stats.step.last(200) == [pytest.approx(50e-6)] * 200
+    assert stage.stats.step.count == 2000
+
+
+@pytest.mark.adaptive
+@pytest.mark.parametrize("taken", [600, 1000])
+def test_counts_of_counted_batches_are_exact_at_any_batch(
+    monkeypatch: pytest.MonkeyPatch, taken: int
+) -> None:
+    clock = _Clock()
+    monkeypatch.setattr("prefetchx._thread_stage.perf_counter", clock)
+
+    def run() -> ThreadStage[int]:
+        stage = ThreadStage(_Timed(clock, 2000, lambda i: 1e-6), max_prefetch=2)
+        for i in range(taken):
+            assert next(stage) == i
+            clock.now += 1e-6
+        assert (stage.tally.count, stage.stats.batches, stage.stats.wait.count) == (taken,) * 3
+        return stage
+
+    coarse = run()
+    assert coarse._coarse  # inside a window of counted batches
+    monkeypatch.setattr("prefetchx._thread_stage.COARSE_BELOW_S", 0.0)
+    timed = run()
+    clock.now += 60.0  # the loop left the epoch a while ago
+    coarse.close()
+    timed.close()
+    # The counted ones are filed at the close, as the same steps, without the time since.
+    assert (coarse.stats.step.count, timed.stats.step.count) == (taken - 1, taken - 1)
+    assert coarse.stats.step.total == pytest.approx(timed.stats.step.total)
+    assert list(coarse) == list(timed) == []
+
+
 class _Callers:
     """A source that notes which thread made each call; ``fail_at`` raises at that call."""
 
