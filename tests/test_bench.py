@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import os
@@ -19,7 +20,7 @@ import torch
 from prefetchx import DataLoaderX
 from prefetchx.__main__ import main
 from prefetchx.bench import cli
-from prefetchx.bench.paired import Spread, ratios, run_rounds
+from prefetchx.bench.paired import Spread, ratios, round_order, run_rounds
 from prefetchx.bench.synthetic import (
     COLUMNS,
     Case,
@@ -115,7 +116,7 @@ def test_the_bound_of_work_that_cannot_overlap_is_the_sum() -> None:
 # --- paired rounds --------------------------------------------------------------------------------
 
 
-def test_rounds_interleave_every_arm_and_rotate_the_order() -> None:
+def test_rounds_interleave_every_arm_in_changing_orders() -> None:
     order: list[str] = []
 
     def arm(name: str, seconds: float) -> Any:
@@ -126,12 +127,36 @@ def test_rounds_interleave_every_arm_and_rotate_the_order() -> None:
         return run
 
     times = run_rounds({"plain": arm("plain", 2.0), "a": arm("a", 1.0), "b": arm("b", 4.0)}, 3)
-    assert order == ["plain", "a", "b", "a", "b", "plain", "b", "plain", "a"]
+    assert order == ["plain", "a", "b", "b", "a", "plain", "a", "b", "plain"]
     assert times == {"plain": [2.0] * 3, "a": [1.0] * 3, "b": [4.0] * 3}
     got = ratios(times)
     assert got["a"].median == 2.0
     assert got["b"].median == 0.5
     assert got["plain"].rounds == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("arms", [2, 3, 4, 5, 6])
+def test_over_twice_as_many_rounds_as_arms_each_arm_follows_each_other_and_holds_each_place(
+    arms: int,
+) -> None:
+    orders = [round_order(arms, r) for r in range(2 * arms)]
+    assert all(sorted(order) == list(range(arms)) for order in orders)
+    after = collections.Counter(
+        (order[i - 1], order[i]) for order in orders for i in range(1, arms)
+    )
+    assert set(after.values()) == {2}
+    assert len(after) == arms * (arms - 1)
+    places = collections.Counter(
+        (place, arm) for order in orders for place, arm in enumerate(order)
+    )
+    assert set(places.values()) == {2}
+    # Where a rotation puts an arm after the same arm in every round, the first 5 rounds give
+    # each arm two different arms before it, where there are two others.
+    before: dict[int, set[int]] = collections.defaultdict(set)
+    for order in orders[:5]:
+        for i in range(1, arms):
+            before[order[i]].add(order[i - 1])
+    assert all(len(others) >= min(2, arms - 1) for others in before.values())
 
 
 def test_ratios_are_taken_within_each_round() -> None:

@@ -1,8 +1,12 @@
 """Paired rounds: how the bench and the benchmark programs compare arms on a noisy machine.
 
-Each round runs every arm once, back to back, in an order rotated from round to round, and each
-arm's throughput is taken against the baseline's *within the round*: a slow minute of the
-machine slows both sides of that round's ratio, not one arm's median. The figure reported is
+Each round runs every arm once, back to back, and each arm's throughput is taken against the
+baseline's *within the round*: a slow minute of the machine slows both sides of that round's
+ratio, not one arm's median. The order changes from round to round so that no arm always runs
+first, or always right after the same arm (`round_order`): an epoch can run faster or slower
+for what ran just before it, and an order that only rotates puts each arm after the same one in
+every round. On the 2-core VM that alone cost DataLoaderX, always right after plain, 3 to 4% in
+a pure-Python cell (RESULTS.md). The figure reported is
 the median of the per-round ratios with their spread (lowest and highest), over at least
 `MIN_ROUNDS` rounds. Unpaired medians of three rounds let the machine's noise through: a loop
 with nothing to overlap came out 1.04x to 1.3x "faster".
@@ -52,12 +56,31 @@ class Spread:
         return "same"
 
 
+def round_order(arms: int, round_: int) -> list[int]:
+    """The order of the arms (their indices) in round ``round_``: a Williams design.
+
+    Every other round is the one before it reversed; the others follow the rows of a Latin
+    square whose first row is ``0, 1, n-1, 2, n-2, ...``. Over ``2 * arms`` rounds each arm runs
+    in each position twice, and right after each other arm twice; fewer rounds come close.
+    """
+    base = [0]
+    low, high = 1, arms - 1
+    while len(base) < arms:
+        base.append(low)
+        low += 1
+        if len(base) < arms:
+            base.append(high)
+            high -= 1
+    row = [(arm + round_ // 2) % arms for arm in base]
+    return row[::-1] if round_ % 2 else row
+
+
 def run_rounds(
     arms: Mapping[str, Callable[[], float]],
     rounds: int,
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, list[float]]:
-    """Run every arm once per round, interleaved, the order rotated each round.
+    """Run every arm once per round, interleaved, in the order `round_order` gives.
 
     Args:
         arms: Each arm's name and a call that runs it once and returns its time in seconds.
@@ -70,9 +93,8 @@ def run_rounds(
     names = list(arms)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
-            times[name].append(arms[name]())
+        for index in round_order(len(names), r):
+            times[names[index]].append(arms[names[index]]())
         if progress is not None:
             progress(r + 1)
     return times
