@@ -5,8 +5,8 @@ baseline's *within the round*: a slow minute of the machine slows both sides of 
 ratio, not one arm's median. The order changes from round to round so that no arm always runs
 first, or always right after the same arm (`round_order`): an epoch can run faster or slower
 for what ran just before it, and an order that only rotates puts each arm after the same one in
-every round. On the 2-core VM that alone cost DataLoaderX, always right after plain, 3 to 4% in
-a pure-Python cell (RESULTS.md). The figure reported is
+every round. On the 2-core VM that alone cost DataLoaderX, always right after plain, about 3%
+in a pure-Python cell (`benchmarks/results/order-bias-cpu-2core.txt`). The figure reported is
 the median of the per-round ratios with their spread (lowest and highest), over at least
 `MIN_ROUNDS` rounds. Unpaired medians of three rounds let the machine's noise through: a loop
 with nothing to overlap came out 1.04x to 1.3x "faster".
