@@ -135,13 +135,18 @@ class Chooser:
             return self._settle()  # the thread starts with an empty queue
         return self._run(False, WINDOW)
 
-    def window(self, period: float, means: Callable[[], tuple[float, float]]) -> tuple[bool, int]:
+    def window(
+        self, period: float, means: Callable[[], tuple[float, float]], ending: bool = False
+    ) -> tuple[bool, int]:
         """A window ended: the mode for the next one and its length.
 
         Args:
             period: The loop's wall time per batch over the window, in seconds.
             means: Gives the window's mean step (from getting a batch to asking for the next)
                 and mean wait inside ``next()``; called only when they are needed.
+            ending: The window was cut short by the epoch's end: a probe that has measured
+                `PEEK` batches or more is decided on them, or an epoch shorter than a probe
+                would start it again and again and never decide.
         """
         memory = self.memory
         if self._settling:
@@ -151,7 +156,7 @@ class Chooser:
                 return self._run(self.threaded, PEEK)
             return self._run(self.threaded, WINDOW)
         if memory.probing:
-            return self._probe(period)
+            return self._probe(period, ending)
         mode = memory.threaded = self.threaded
         smooth = memory.smooth
         if math.isnan(smooth):
@@ -170,7 +175,12 @@ class Chooser:
             return self._switch()
         return self._run(mode, WINDOW)
 
-    def _probe(self, period: float) -> tuple[bool, int]:
+    def cut(self, length: int) -> None:
+        """The stage ends the window just answered sooner, with the epoch: it is ``length``
+        batches long, and a probe counts it as such."""
+        self._length = length
+
+    def _probe(self, period: float, ending: bool = False) -> tuple[bool, int]:
         """Part of the probe's measured window ended: decide if the window is whole, or if its
         batches so far are slower than the incumbent beyond doubt; otherwise measure on.
 
@@ -181,7 +191,7 @@ class Chooser:
         self._probed += self._length
         self._probed_s += period * self._length
         period = self._probed_s / self._probed
-        if self._probed < WINDOW:
+        if self._probed < WINDOW and not (ending and self._probed >= PEEK):
             memory = self.memory
             noise = memory.spread * math.sqrt(WINDOW / self._probed)
             if period <= memory.smooth * (1 + MARGIN) + 2 * noise:

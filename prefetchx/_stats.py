@@ -76,6 +76,12 @@ class Series:
         return older + pending
 
     @property
+    def recorded(self) -> int:
+        """Samples added so far, folded or not; reading it folds nothing. Exact in the thread
+        that adds them and folds them."""
+        return self._count + len(self.pending)
+
+    @property
     def total(self) -> float:
         self.fold()
         return self._total
@@ -179,7 +185,7 @@ class EpochStats:
         step = self.step
         # Steps recorded so far; exact in the loop's thread, which alone appends and folds
         # them (a fold from another thread could file one step wrongly, once).
-        recorded = step._count + len(step.pending)
+        recorded = step.recorded
         if recorded != self._steps_filed and step.pending:
             self._steps_filed = recorded  # a device stage may take several batches per step
             self.step_threaded.add(step.pending[-1])

@@ -494,7 +494,8 @@ class ThreadStage(Iterator[T], Generic[T]):
     at most every 256 windows. It starts without the thread: the first 4 items after the first
     time the step and the source alone, and the thread is tried only if both take at least
     10 us, as less is not worth a hand-off. A loader's next epoch goes on from where the last
-    one's choice stood. Only one of the two ever calls the source at a time.
+    one's choice stood; with a ``limit``, a window ends with the epoch at the latest, so that
+    epochs shorter than a probe still decide. Only one of the two ever calls the source at a time.
 
     The same clock reads feed the stall meter, ``stats``: each item's wait and the step before
     it. A loop that makes its own items at under 20 us an item has no stall to find, and two
@@ -697,6 +698,7 @@ class ThreadStage(Iterator[T], Generic[T]):
             self._start()
             return
         threaded, length = chooser.start()
+        length = self._capped(chooser, length, handed=1)
         self._window, self._countdown = length, length + 1  # this item is counted after this
         self._window_start = perf_counter()
         if threaded:
@@ -820,7 +822,10 @@ class ThreadStage(Iterator[T], Generic[T]):
             if self._pausing:  # the source has not come back yet: the switch is still going on
                 length = 1
             else:
-                threaded, length = chooser.window(period, self._means)
+                handed = self.stats.wait.recorded  # one a batch or error handed over
+                ending = handed >= self._limit
+                threaded, length = chooser.window(period, self._means, ending)
+                length = self._capped(chooser, length, handed)
                 if threaded == self._inline:
                     self._switch(threaded)
         self._window = self._countdown = length
@@ -837,6 +842,17 @@ class ThreadStage(Iterator[T], Generic[T]):
             self._countdown = 1
         if len(self.stats.wait.pending) >= FOLD_EVERY:
             self.stats.fold()
+
+    def _capped(self, chooser: Chooser, length: int, handed: int) -> int:
+        """The chooser's window of ``length`` outcomes, made to end with the epoch where
+        ``limit`` says it ends sooner (``handed`` outcomes so far): a window that outlasts every
+        epoch would never be measured, and an epoch of fewer batches than a window would never
+        decide."""
+        left = self._limit - handed
+        if 0 < left < length:
+            chooser.cut(left)
+            return left
+        return length
 
     def _file_steps(self, now: float | None, batches: int) -> None:
         """End a counted part of a window: ``batches`` steps, each the mean of what is left of

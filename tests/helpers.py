@@ -425,7 +425,9 @@ class AlwaysThreaded(Chooser):
         self.threaded = True
         return True, WINDOW
 
-    def window(self, period: float, means: Callable[[], tuple[float, float]]) -> tuple[bool, int]:
+    def window(
+        self, period: float, means: Callable[[], tuple[float, float]], ending: bool = False
+    ) -> tuple[bool, int]:
         return True, WINDOW
 
 
@@ -437,7 +439,9 @@ class Switching(Chooser):
         self.threaded = True
         return True, 2
 
-    def window(self, period: float, means: Callable[[], tuple[float, float]]) -> tuple[bool, int]:
+    def window(
+        self, period: float, means: Callable[[], tuple[float, float]], ending: bool = False
+    ) -> tuple[bool, int]:
         self.threaded = not self.threaded
         self.switches += 1
         return self.threaded, 2

@@ -190,6 +190,27 @@ def test_a_probe_slower_after_its_first_batches_ends_there(slower: float, backof
     assert memory.backoff == backoff  # lost; clearly (by more than CHANGED) or not
 
 
+@pytest.mark.parametrize(("faster", "won"), [(0.5, True), (0.9, False), (1.0, False)])
+def test_a_probe_cut_short_by_the_epochs_end_is_decided_on_what_it_measured(
+    faster: float, won: bool
+) -> None:
+    memory = Memory()
+    chooser = _probe_of_the_thread(memory)
+    assert chooser.window(1 * MS * (1 + MARGIN / 2), _means()) == (True, WINDOW - PEEK)
+    chooser.cut(2)  # the epoch ends 2 batches on: they weigh as 2 against the first 4
+    assert chooser.window(faster * MS, _means(), ending=True)[0] is won
+    assert not memory.probing
+    assert memory.threaded is won
+
+
+def test_a_probe_cut_short_before_it_measured_enough_is_left_to_the_next_epoch() -> None:
+    memory = Memory()
+    chooser = _probe_of_the_thread(memory)
+    chooser.cut(PEEK - 1)  # the stage ends the measured window with the epoch, short of PEEK
+    assert chooser.window(0.5 * MS, _means(), ending=True) == (True, WINDOW - PEEK + 1)
+    assert memory.probing
+
+
 def test_a_probe_slower_within_the_margin_runs_its_whole_window() -> None:
     memory = Memory()
     chooser = _probe_of_the_thread(memory)

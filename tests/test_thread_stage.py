@@ -512,6 +512,22 @@ def test_the_next_epoch_starts_with_what_the_last_one_found() -> None:
     assert list(stage) == list(range(1, 10))
 
 
+@pytest.mark.adaptive
+@pytest.mark.parametrize(("slower", "threaded"), [(1.0, True), (4.0, False)])
+def test_epochs_shorter_than_a_window_still_decide(slower: float, threaded: bool) -> None:
+    # 12 items an epoch, fewer than a probe takes (4 settling, 16 measured): each window ends
+    # with the epoch at the latest, and a probe the end cuts short is decided on what it has.
+    memory = Memory()
+    tried = []  # the epochs in which the thread made items
+    for _ in range(10):
+        source = Paced(12, 0.002, slower_in_a_thread=slower)
+        for _ in ThreadStage(source, max_prefetch=2, limit=12, _memory=memory):
+            time.sleep(0.002)
+        tried.append(_made_by_thread(source.threads) > 0)
+    assert memory.threaded is threaded
+    assert sum(tried) >= 2  # the loser is tried again, epochs later
+
+
 @pytest.mark.parametrize("max_prefetch", [1, 2, 5])
 @pytest.mark.parametrize("steal", [False, True])
 def test_switching_every_other_item_loses_and_reorders_nothing(
@@ -539,7 +555,7 @@ def _then_inline(threaded_items: int) -> type[Chooser]:
             self.threaded = True
             return True, threaded_items
 
-        def window(self, period: float, means: Any) -> tuple[bool, int]:
+        def window(self, period: float, means: Any, ending: bool = False) -> tuple[bool, int]:
             self.threaded = False
             return False, 16
 
@@ -566,7 +582,7 @@ class _Counting(Chooser):
         self.threaded = True
         return True, 4
 
-    def window(self, period: float, means: Any) -> tuple[bool, int]:
+    def window(self, period: float, means: Any, ending: bool = False) -> tuple[bool, int]:
         type(self).windows += 1
         self.threaded = False
         return False, 4
@@ -616,7 +632,7 @@ class _BackToTheCaller(Chooser):
         self.threaded = True
         return True, 8
 
-    def window(self, period: float, means: Any) -> tuple[bool, int]:
+    def window(self, period: float, means: Any, ending: bool = False) -> tuple[bool, int]:
         threads = type(self).source.threads
         ends = type(self).ends
         ends.append((type(self).taken, len(threads), threads.count("MainThread")))
@@ -1346,7 +1362,7 @@ class _Alternating(Chooser):
         self.threaded = True
         return True, 4
 
-    def window(self, period: float, means: Any) -> tuple[bool, int]:
+    def window(self, period: float, means: Any, ending: bool = False) -> tuple[bool, int]:
         self.threaded = not self.threaded
         return self.threaded, 4
 
