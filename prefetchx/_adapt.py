@@ -61,6 +61,10 @@ MAX_BACKOFF = 256
 """Windows between probes at most, while every probe confirms the incumbent: a probe of a mode
 twice as slow then costs about 0.2% of the loop's time (8 batches, see `PEEK`)."""
 
+TICK_S = 1e-9
+"""The least time per batch a window is taken to have: a clock that did not move over a window
+(a coarse one, a loop of no work) says less than it can resolve, not zero."""
+
 HIDE_AT_LEAST_S = 10e-6
 """Below this, the shorter of the mean step and the mean wait for data (what a thread could
 hide at best, per batch) is less than any hand-off costs: the thread is not worth a probe."""
@@ -149,6 +153,7 @@ class Chooser:
                 would start it again and again and never decide.
         """
         memory = self.memory
+        period = max(period, TICK_S)  # compared as a ratio below
         if self._settling:
             self._settling = False
             if memory.probing:  # the probe's measured window: its first batches, a look

@@ -108,6 +108,20 @@ def test_a_thread_with_nothing_to_hide_is_never_tried(step: float, wait: float) 
     assert not any(loop.modes)
 
 
+@pytest.mark.parametrize("threaded", [None, True])
+def test_windows_too_short_for_the_clock_to_see_decide_all_the_same(threaded: bool | None) -> None:
+    # A clock that did not move over a window (a coarse one, a loop with no work): a time per
+    # batch of zero is one to compare as any other, not a division by zero inside next().
+    memory = Memory()
+    memory.threaded = threaded
+    loop = Loop(Chooser(memory), inline=0.0, threaded=0.0)
+    loop.run(50)
+    if threaded is None:
+        assert not any(loop.modes)  # nothing to hide: the thread is never tried
+    else:
+        assert not all(loop.modes)  # the incumbent thread is weighed against the loop
+
+
 def test_a_change_in_the_loop_brings_a_probe_at_once() -> None:
     loop = Loop(Chooser(Memory()), inline=1 * MS, threaded=2 * MS)
     loop.run(100)

@@ -320,10 +320,12 @@ def test_with_a_cuda_target_the_outcomes_are_dataloaders_while_the_thread_comes_
 
 @pytest.mark.adaptive
 def test_with_a_cuda_target_a_loop_with_no_step_makes_its_batches_itself(
-    fake_gpu: FakeCuda,
+    fake_gpu: FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A thread would hide nothing, so it never starts: every batch is made and pinned in the
-    # loop's thread, as DataLoader makes them, and copied when asked.
+    # loop's thread, as DataLoader makes them, and copied when asked. The stage's clock stands
+    # still (no step, no wait), so that a loaded machine's preemptions do not make a step.
+    monkeypatch.setattr("prefetchx._thread_stage.perf_counter", lambda: 0.0)
     expected = _outcomes(DataLoader(Failing(60, fail_at=31), batch_size=2))
     loader = DataLoaderX(Failing(60, fail_at=31), batch_size=2, device="cpu")
     with fake_gpu:
