@@ -17,7 +17,7 @@ import torch
 from prefetch_generator import BackgroundGenerator
 
 from prefetchx import _engine
-from prefetchx._adapt import HIDE_AT_LEAST_S, WINDOW, Chooser, Memory
+from prefetchx._adapt import WINDOW, Chooser, Memory
 from prefetchx._checks import check_int
 from prefetchx._device import set_thread_device
 from prefetchx._engine import POLL_INTERVAL, REAPER, Channel, Failure, Reaped, Signal, discard
@@ -42,17 +42,29 @@ LET_GO_WAIT = 1.0
 that nothing else uses while the thread is inside a call of it, for that call to return (see
 `_Producer._let_go`)."""
 
-COARSE_BELOW_S = 2 * HIDE_AT_LEAST_S
-"""Below this time per batch (20 us), a loop that makes its own batches is never offered the
-thread (see `prefetchx._adapt`), so the chooser needs nothing but each window's time; the meter
-has no stall to find there either, and timing each batch would cost the loop about 3% (two
-clock reads and two appends against the 6 us a DataLoader takes for a batch of no work): the
-meter then times one batch in each window of `COARSE_WINDOW` and counts the others (see
+COARSE_BELOW_S = 200e-6
+"""Below this time per batch, a loop that makes its own batches, with no probe of the thread to
+come, has its batches counted rather than each timed: two clock reads and two appends a batch
+cost such a loop 1% to 3% (measured on the 2-core VM: about 2 us a batch in a 65 us pure-Python
+loop, where the step leaves the caches cold, and 0.3 us in a loop of no work). The meter then
+times one batch in each window of `coarse_window` batches and counts the others (see
 `ThreadStage._checkpoint`)."""
 
+COARSE_SPAN_S = 5e-3
+"""A counted window lasts about this long: a change in the loop is seen within it, and its one
+timed batch and its end cost each of its batches next to nothing."""
+
 COARSE_WINDOW = 16 * WINDOW
-"""Batches in a window of a loop under `COARSE_BELOW_S` a batch: a change in the loop is seen
-within about 5 ms, and a window's end costs each of its batches next to nothing."""
+"""Batches in a counted window at most (a loop of no work takes about 1.5 ms for them)."""
+
+
+def coarse_window(period: float) -> int:
+    """Batches in a counted window of a loop at ``period`` seconds a batch: `COARSE_SPAN_S`
+    of them, from `WINDOW` to `COARSE_WINDOW`."""
+    if period * COARSE_WINDOW <= COARSE_SPAN_S:
+        return COARSE_WINDOW
+    return max(WINDOW, int(COARSE_SPAN_S / period))
+
 
 _SPECIAL = (Signal, Failure, Warned)
 """Queue values that are not plain items."""
@@ -498,10 +510,11 @@ class ThreadStage(Iterator[T], Generic[T]):
     epochs shorter than a probe still decide. Only one of the two ever calls the source at a time.
 
     The same clock reads feed the stall meter, ``stats``: each item's wait and the step before
-    it. A loop that makes its own items at under 20 us an item has no stall to find, and two
-    clock reads an item would cost it a few percent: there the meter times the first item of
-    each window of 256 and counts the others. Each counted item gets the timed one's wait, and
-    their steps share what is left of the window's time; counts stay exact.
+    it. In a loop that makes its own items at under 200 us an item, two clock reads an item
+    would cost it 1% to 3%: there, once no look at the thread is due, the meter times the first
+    item of each window of about 5 ms (each window of 256 items at most) and counts the others.
+    Each counted item gets the timed one's wait, and their steps share what is left of the
+    window's time; counts stay exact.
 
     Args:
         source: The iterator to run ahead. Create it on the calling thread.
@@ -575,6 +588,7 @@ class ThreadStage(Iterator[T], Generic[T]):
         self._sampling = False  # the next batch is a fast loop's timed one (see `_checkpoint`)
         self._coarse = False  # batches are counted, not timed, until the window ends
         self._coarse_from = 0.0  # when the counted part of the window began
+        self._coarse_length = COARSE_WINDOW  # batches in the counted window to come
         self._estimate = 0.0  # the wait recorded for each counted batch: the timed one's
         self._step_estimate = 0.0  # a counted batch's step, for those filed at a close
         self._add_step = self.stats.step.add
@@ -795,12 +809,13 @@ class ThreadStage(Iterator[T], Generic[T]):
 
         ``facing``: the loop gets its items from this stage's ``next()``, which then records the
         meter's waits and steps. There, a loop under `COARSE_BELOW_S` a batch that makes its own
-        batches, with no probe of the thread to come, gets windows of `COARSE_WINDOW` batches
-        whose first batch alone is timed: each of the others is counted with that batch's wait,
-        and at the window's end their steps are filed, each an equal share of what is left of
-        the window's time. Every count stays exact, and so does the window's time unless the
-        timed wait was longer than the others; the chooser, which needs nothing but each
-        window's time there, is unaffected.
+        batches, with no probe of the thread to come, gets windows of about `COARSE_SPAN_S`
+        (`coarse_window`) whose first batch alone is timed: each of the others is counted with
+        that batch's wait, and at the window's end their steps are filed, each an equal share
+        of what is left of the window's time. Every count stays exact, and so does the window's
+        time, which is all the chooser weighs, unless the timed wait was longer than the others;
+        whether the thread is worth a probe is told from the window's mean step and wait, so
+        from the timed batch's wait and the rest.
         """
         now = perf_counter()
         if self._sampling:  # the window's timed batch: the others are counted
@@ -808,8 +823,8 @@ class ThreadStage(Iterator[T], Generic[T]):
             self._coarse = True
             self._estimate = self.stats.wait.last(1)[0]
             self._step_estimate = self.stats.step.last(1)[0]
-            self._window = COARSE_WINDOW
-            self._countdown = COARSE_WINDOW - 1
+            self._window = self._coarse_length
+            self._countdown = self._coarse_length - 1
             self._coarse_from = now
             return
         if self._coarse:
@@ -840,6 +855,7 @@ class ThreadStage(Iterator[T], Generic[T]):
         ):
             self._sampling = True
             self._countdown = 1
+            self._coarse_length = coarse_window(period)
         if len(self.stats.wait.pending) >= FOLD_EVERY:
             self.stats.fold()
 

@@ -425,6 +425,7 @@ def test_the_numbers_the_reference_gives_are_the_constants() -> None:
     assert f"the first {_adapt.FIRST} items after the first" in stage
     assert f"take at least {_adapt.HIDE_AT_LEAST_S * 1e6:g} us" in stage
     assert f"under {_thread_stage.COARSE_BELOW_S * 1e6:g} us an item" in stage
-    assert f"each window of {_thread_stage.COARSE_WINDOW}" in stage
+    assert f"window of about {_thread_stage.COARSE_SPAN_S * 1e3:g} ms" in stage
+    assert f"each window of {_thread_stage.COARSE_WINDOW} items at most" in stage
     assert f"Waits up to {_engine.JOIN_TIMEOUT:g} s" in words(ThreadStage.close.__doc__)
     assert f"most recent {_stats.WINDOW} samples" in words(EpochStats.__doc__)

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from prefetchx import EpochStats, ThreadStage, _engine
-from prefetchx._adapt import CLEAR_GROWTH, PEEK, SETTLE_INLINE, Chooser, Memory
+from prefetchx._adapt import CLEAR_GROWTH, PEEK, SETTLE_INLINE, WINDOW, Chooser, Memory
 from prefetchx._engine import Channel, Failure, Signal
-from prefetchx._thread_stage import MAX_PATIENCE
+from prefetchx._thread_stage import COARSE_SPAN_S, COARSE_WINDOW, MAX_PATIENCE, coarse_window
 from tests.helpers import Switching, ThreadGate, wait_until
 
 
@@ -1181,14 +1181,41 @@ def test_a_loop_that_slows_down_is_timed_batch_by_batch_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     def step(i: int) -> float:
-        return 1e-6 if i < 1500 else 50e-6
+        return 1e-6 if i < 1500 else 300e-6
 
     stage, got, clock = _fast_loop(monkeypatch, 2000, lambda i: 1e-6, step)
     assert [value for value, _ in got] == list(range(2000))
     # Within a window of counted batches (at most 256 of them), every batch timed again.
     assert clock.reads > 2 * 200
-    assert stage.stats.step.last(200) == [pytest.approx(50e-6)] * 200
+    assert stage.stats.step.last(200) == [pytest.approx(300e-6)] * 200
     assert stage.stats.step.count == 2000
+
+
+@pytest.mark.parametrize(
+    ("period", "batches"),
+    [(0.0, COARSE_WINDOW), (5e-6, COARSE_WINDOW), (50e-6, 100), (199e-6, 25), (1e-3, WINDOW)],
+)
+def test_a_counted_window_lasts_about_5_ms(period: float, batches: int) -> None:
+    assert COARSE_SPAN_S == 5e-3
+    assert coarse_window(period) == batches
+
+
+@pytest.mark.adaptive
+def test_a_loop_under_200_us_a_batch_is_counted_with_exact_totals(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 50 us a batch: timing each batch would cost the loop a few percent, so one in each window
+    # of 5 ms is timed; the totals stay those of the loop.
+    n = 3000
+    stage, got, clock = _fast_loop(monkeypatch, n, lambda i: 5e-6, lambda i: 45e-6)
+    assert [value for value, _ in got] == list(range(n))
+    assert stage.thread is None  # 5 us of data: nothing for a thread to hide
+    assert clock.reads < n // 8
+    assert stage._coarse_length == 100
+    stats = stage.stats
+    assert (stats.batches, stats.wait.count, stats.step.count) == (n, n, n)
+    assert stats.wait.total == pytest.approx(n * 5e-6)
+    assert stats.step.total == pytest.approx(n * 45e-6)
 
 
 @pytest.mark.adaptive
