@@ -7,11 +7,12 @@ step shapes follow with 200 us of data: ``bimodal`` (each step 20 us or 2 ms, at
 ``phases`` (64 steps of 20 us, then 64 of 2 ms, and again: evaluation-like phases) and ``ramp``
 (from 0 to 2 ms over the epoch, as a warm-up).
 
-Five arms run in one process over the same dataset, in paired rounds (`prefetchx.bench.paired`):
+Six arms run in one process over the same dataset, in paired rounds (`prefetchx.bench.paired`):
 plain DataLoader, DataLoaderX, the BackgroundGenerator recipe, DataLoaderX with
-``max_prefetch=0`` and a run-ahead ``queue.SimpleQueue`` thread over DataLoader, the floor of a
-threaded hand-off. Each arm runs one untimed epoch first (workers started). Every cell reports
-each arm's throughput over plain's; the summary gives the figures issue #16's targets are about.
+``max_prefetch=0``, a run-ahead ``queue.SimpleQueue`` thread over DataLoader, the floor of a
+threaded hand-off, and a second plain DataLoader, plain against itself: the noise. Each arm
+runs one untimed epoch first (workers started). Every cell reports each arm's throughput over
+plain's; the summary gives the figures issue #16's targets are about.
 
 Usage:
     python benchmarks/grid.py [--quick] [--rounds N] [--epoch-ms MS] [--out STEM]
@@ -67,7 +68,7 @@ HANDOFF_BATCHES = {False: 20000, True: 2000}
 DEEPER = (4, 8, 32)
 """Queue depths the hand-off is also measured at, beyond the run's ``--max-prefetch``: a deeper
 queue lets the thread make more batches for each wake-up (see `prefetchx._engine.Channel`)."""
-ARM_ORDER = ("plain", "prefetchx", "recipe", "inline", "floor")
+ARM_ORDER = ("plain", "prefetchx", "recipe", "inline", "floor", "again")
 OVERHEAD_MS = {0: 0.03, 2: 0.15}
 """A DataLoader's own cost per batch, roughly, without and with workers: sizes the epochs."""
 
@@ -361,6 +362,15 @@ def summarize(cells: list[dict[str, Any]], handoff: dict[str, Any]) -> dict[str,
             "of_best": share,
             "below_0.97": sum(1 for _, s in winning if s < 0.97),
         }
+    again = [(c, _spread(c, "again")) for c in cells]
+    lowest, lowest_spread = min(again, key=lambda pair: pair[1].median)
+    summary["noise"] = {
+        "cell": lowest["label"],
+        **asdict(lowest_spread),
+        "below_0.97": sum(1 for _, s in again if s.median < 0.97),
+        "prefetchx_below_0.97": sum(1 for _, s in ours if s.median < 0.97),
+        "in_worst_cell": asdict(_spread(worst, "again")),
+    }
     summary["handoff"] = summarize_handoff(handoff)
     return summary
 
@@ -382,6 +392,10 @@ def summarize_handoff(handoff: dict[str, Any]) -> dict[str, Any]:
 
 SUMMARY_NOTES = (
     "worst cell: DataLoaderX's lowest median throughput over plain in the grid (target >= 0.97)",
+    "noise: the same for the arm 'again', a second plain DataLoader (plain against itself): its "
+    "lowest median, its cells below 0.97 against DataLoaderX's, and its figure in DataLoaderX's "
+    "worst cell. A cell of DataLoaderX's below 0.97 tells little where plain against itself "
+    "reads as low",
     "no-work loop: DataLoaderX over plain with no work, no workers (target >= 0.95)",
     "winning cells: where the recipe beats plain by more than 2%, DataLoaderX's median over "
     "the best of plain's and the recipe's; the lowest (target >= 0.97)",
@@ -398,6 +412,14 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = ["Summary:"]
     worst = summary["worst"]
     lines.append(wrap(f"worst cell: {worst['median']:.2f}x plain ({worst['cell']})"))
+    noise = summary["noise"]
+    lines.append(
+        wrap(
+            f"noise: plain against itself {_ratio(noise)} at the lowest ({noise['cell']}), "
+            f"{_ratio(noise['in_worst_cell'])} in the worst cell above; {noise['below_0.97']} "
+            f"cells below 0.97 (DataLoaderX: {noise['prefetchx_below_0.97']})"
+        )
+    )
     if summary["no_work"] is not None:
         no_work = Spread(**{k: summary["no_work"][k] for k in ("median", "low", "high", "rounds")})
         lines.append(wrap(f"no-work loop: {no_work.ratio()} plain"))
@@ -431,6 +453,11 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines.append("What the summary lines mean:")
     lines += [wrap(note) for note in SUMMARY_NOTES]
     return "\n".join(lines)
+
+
+def _ratio(figures: dict[str, Any]) -> str:
+    """A spread's median and range, from its fields in a summary."""
+    return Spread(**{k: figures[k] for k in ("median", "low", "high", "rounds")}).ratio()
 
 
 def _times(over: float | None) -> str:

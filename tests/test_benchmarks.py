@@ -16,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ARMS = {"plain", "prefetchx", "recipe", "inline", "floor"}
+GRID_ARMS = {*ARMS, "again"}
 
 
 def _program(name: str) -> ModuleType:
@@ -40,7 +41,9 @@ def _run(program: str, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _recorded(stem: Path, done: subprocess.CompletedProcess[str]) -> tuple[str, dict[str, Any]]:
+def _recorded(
+    stem: Path, done: subprocess.CompletedProcess[str], arms: set[str] = ARMS
+) -> tuple[str, dict[str, Any]]:
     """The table and the record a run wrote, checked for what every recorded run must say."""
     assert done.returncode == 0, done.stderr
     text = Path(f"{stem}.txt").read_text()
@@ -60,14 +63,14 @@ def _recorded(stem: Path, done: subprocess.CompletedProcess[str]) -> tuple[str, 
     # Every column and every arm is explained in the table.
     for name in record["columns"]:
         assert f"  {name}: " in text, name
-    assert set(record["arms"]) == ARMS
-    for arm in ARMS:
+    assert set(record["arms"]) == arms
+    for arm in arms:
         assert f"  {arm}: " in text, arm
     return text, record
 
 
-def _paired(ratios: dict[str, Any]) -> None:
-    assert set(ratios) == ARMS
+def _paired(ratios: dict[str, Any], arms: set[str] = ARMS) -> None:
+    assert set(ratios) == arms
     for arm, spread in ratios.items():
         assert len(spread["rounds"]) == 5, arm  # paired rounds, at least 5
         assert spread["low"] <= spread["median"] <= spread["high"]
@@ -76,14 +79,14 @@ def _paired(ratios: dict[str, Any]) -> None:
 
 def test_the_quick_grid_writes_its_table_and_record(tmp_path: Path) -> None:
     text, record = _recorded(
-        tmp_path / "grid", _run("grid", "--quick", "--out", str(tmp_path / "grid"))
+        tmp_path / "grid", _run("grid", "--quick", "--out", str(tmp_path / "grid")), GRID_ARMS
     )
     cells = record["cells"]
     assert {c["kind"] for c in cells} == {"none", "sleep", "python"}
     assert {c["shape"] for c in cells} == {"constant", "bimodal"}
     for cell in cells:
-        _paired(cell["ratios"])
-        assert set(cell["epochs_s"]) == ARMS
+        _paired(cell["ratios"], GRID_ARMS)
+        assert set(cell["epochs_s"]) == GRID_ARMS
         assert cell["batches"] >= 20
         assert cell["label"] in text or cell["kind"] in text
     summary = record["summary"]
@@ -93,8 +96,15 @@ def test_the_quick_grid_writes_its_table_and_record(tmp_path: Path) -> None:
     assert set(handoff["extra_us_per_batch"]) == {"plain", "thread", "handed over", "floor"}
     assert handoff["switches_per_batch"]["thread"] >= 0
     assert set(handoff["depths"]) == {"4", "8", "32"}
+    noise = summary["noise"]
+    assert noise["cell"] in {c["label"] for c in cells}
+    assert noise["median"] == min(c["ratios"]["again"]["median"] for c in cells)
+    assert noise["prefetchx_below_0.97"] == sum(
+        1 for c in cells if c["ratios"]["prefetchx"]["median"] < 0.97
+    )
     for line in (
         "worst cell: ",
+        "noise: plain against itself ",
         "no-work loop: ",
         "winning cells: ",
         "hand-off: the thread stage",

@@ -191,6 +191,7 @@ ARMS: dict[str, ArmFactory] = {
     ),
     "inline": lambda dataset, depth, kw: DataLoaderX(dataset, max_prefetch=0, device="cpu", **kw),
     "floor": lambda dataset, depth, kw: RunAhead(DataLoader(dataset, **kw)),
+    "again": lambda dataset, depth, kw: DataLoader(dataset, **kw),
 }
 """How each arm builds its loader from the dataset, the queue depth and DataLoader's arguments."""
 
@@ -203,6 +204,8 @@ ARM_NOTES = {
     "only",
     "floor": "a thread running DataLoader a whole epoch ahead into a queue.SimpleQueue: the "
     "cheapest threaded hand-off, the floor for the threaded arms",
+    "again": "a second plain DataLoader, made as the first: plain against itself, so how far its "
+    "median strays from 1.00x is the measurement's noise, not a difference",
 }
 """What each arm is, as the outputs explain it."""
 
