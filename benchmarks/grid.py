@@ -30,7 +30,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -70,7 +70,11 @@ DEEPER = (4, 8, 32)
 queue lets the thread make more batches for each wake-up (see `prefetchx._engine.Channel`)."""
 ARM_ORDER = ("plain", "prefetchx", "recipe", "inline", "floor", "again")
 OVERHEAD_MS = {0: 0.03, 2: 0.15}
-"""A DataLoader's own cost per batch, roughly, without and with workers: sizes the epochs."""
+"""A DataLoader's own cost per batch, roughly, without and with workers, where it is not
+measured (`loader_overhead_ms`): sizes the epochs. With workers it varies by machine: 0.15 ms on
+one 2-core VM, 1 ms on another."""
+OVERHEAD_BATCHES = 400
+"""Batches of the no-work epoch that measures a DataLoader's own cost per batch."""
 
 SHAPE_NOTES = {
     "constant": "every step costs C",
@@ -148,8 +152,29 @@ class Steps:
         self.done += 1
 
 
-def grid(quick: bool, epoch_ms: float) -> list[Cell]:
-    """The cells to run, each with its epoch length."""
+def loader_overhead_ms(workers: int, batches: int = OVERHEAD_BATCHES) -> float:
+    """A DataLoader's own time per batch on this machine, in ms: an epoch of no work, after an
+    untimed one (persistent workers started)."""
+    dataset = WorkDataset(batches, Work("sleep", 0.0))
+    loader = DataLoader(
+        dataset, batch_size=None, num_workers=workers, persistent_workers=workers > 0
+    )
+    try:
+        for _ in loader:
+            pass
+        start = time.perf_counter()
+        for _ in loader:
+            pass
+        return (time.perf_counter() - start) / batches * 1e3
+    finally:
+        release(loader)
+
+
+def grid(
+    quick: bool, epoch_ms: float, overhead_ms: Mapping[int, float] = OVERHEAD_MS
+) -> list[Cell]:
+    """The cells to run, each with its epoch length, from a DataLoader's own cost per batch at
+    each worker count, ``overhead_ms``."""
     if quick:  # one cell of each sort the summary reads, and a shape
         return _sized(
             [
@@ -160,6 +185,7 @@ def grid(quick: bool, epoch_ms: float) -> list[Cell]:
                 Cell("sleep", 0, SHAPE_DATA_MS, LONG_MS / 2, "bimodal"),
             ],
             epoch_ms,
+            overhead_ms,
         )
     cells = []
     for w in WORKERS:
@@ -168,13 +194,13 @@ def grid(quick: bool, epoch_ms: float) -> list[Cell]:
             cells += [Cell(kind, w, d, c) for d in COSTS_MS for c in COSTS_MS if d or c]
         for kind in KINDS:
             cells += [Cell(kind, w, SHAPE_DATA_MS, LONG_MS / 2, shape) for shape in SHAPES]
-    return _sized(cells, epoch_ms)
+    return _sized(cells, epoch_ms, overhead_ms)
 
 
-def _sized(cells: list[Cell], epoch_ms: float) -> list[Cell]:
+def _sized(cells: list[Cell], epoch_ms: float, overhead_ms: Mapping[int, float]) -> list[Cell]:
     """``cells`` with their epoch lengths set from the time a batch should take."""
     for cell in cells:
-        per_batch = cell.data_ms + cell.step_ms + OVERHEAD_MS[cell.workers]
+        per_batch = cell.data_ms + cell.step_ms + overhead_ms[cell.workers]
         least = 2 * PHASE if cell.shape == "phases" else 20
         cell.batches = max(least, min(20000, round(epoch_ms / per_batch)))
         if cell.shape != "constant":  # about LONG_MS / 2 until the epoch's length is known
@@ -574,7 +600,10 @@ def main(argv: list[str] | None = None) -> int:
             summary=summarize_handoff(handoff),
         )
         return 0
-    cells = grid(args.quick, epoch_ms)
+    workers = (0,) if args.quick else WORKERS  # the quick cells have none
+    overhead = {w: loader_overhead_ms(w, 40 if args.quick else OVERHEAD_BATCHES) for w in workers}
+    meta["overhead_ms"] = overhead
+    cells = grid(args.quick, epoch_ms, overhead)
     results = []
     for i, cell in enumerate(cells):
         log(f"cell {i + 1}/{len(cells)}")
@@ -590,7 +619,9 @@ def main(argv: list[str] | None = None) -> int:
         meta,
         [
             f"Grid: {len(cells)} cells, {args.rounds} paired rounds each, arms interleaved "
-            f"in one process; {time.perf_counter() - started:.0f} s",
+            f"in one process; {time.perf_counter() - started:.0f} s. Epochs sized from a "
+            "DataLoader's own time a batch, measured: "
+            + ", ".join(f"{ms * 1e3:.0f} us with {w} workers" for w, ms in overhead.items()),
             format_table(results),
             explain(COLUMNS, ARM_ORDER),
             format_summary(summary),

@@ -197,3 +197,12 @@ def test_the_full_grid_covers_every_cost_kind_worker_count_and_shape() -> None:
     # Epochs are sized by cost: a no-work loop gets many batches, a 10 + 10 ms one few.
     by_cost = {(c.kind, c.workers, c.data_ms, c.step_ms): c.batches for c in constant}
     assert by_cost[("sleep", 0, 0.0, 0.02)] > by_cost[("sleep", 0, 10.0, 10.0)] == 20
+    # ... and by what a DataLoader costs a batch on the machine, measured.
+    slow = grid.grid(quick=False, epoch_ms=250.0, overhead_ms={0: 0.03, 2: 1.0})
+    none = {c.workers: c.batches for c in slow if c.kind == "none"}
+    assert none == {0: round(250 / 0.03), 2: 250}
+
+
+def test_the_grid_measures_a_dataloaders_own_cost_per_batch() -> None:
+    grid = _program("grid")
+    assert 0 < grid.loader_overhead_ms(0, batches=50) < 50.0
