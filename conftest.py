@@ -118,6 +118,19 @@ def both_modes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     return str(request.param)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Leave what collection imported out of every later garbage collection.
+
+    `no_leaks` collects garbage after each test, so that an iterator a test dropped ends its
+    thread, and some tests collect on purpose. With torch, the test modules and the optional
+    integrations imported, a full collection walks about 460,000 objects that live for the
+    whole run: 0.3 s on the 2-core VM, paid after each of about a thousand tests (330 s of a
+    798 s run went to teardowns). Frozen, a collection walks only what the tests made since.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip `cuda`-marked tests cleanly where no CUDA device is present."""
     if torch.cuda.is_available():

@@ -161,11 +161,27 @@ def test_the_quick_jpeg_pipeline_writes_its_table_and_record(tmp_path: Path) -> 
     ],
 )
 def test_a_bad_option_is_a_usage_error_before_anything_runs(
-    program: str, args: list[str], shown: str, tmp_path: Path
+    program: str,
+    args: list[str],
+    shown: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    done = _run(program, *(a.replace("{tmp}", str(tmp_path)) for a in args))
+    main = _program(program).main
+    with pytest.raises(SystemExit) as exited:
+        main([a.replace("{tmp}", str(tmp_path)) for a in args])
+    assert exited.value.code == 2
+    out, err = capsys.readouterr()
+    assert shown.replace("{tmp}", str(tmp_path)) in err
+    assert out == ""
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("program", ["grid", "jpeg_pipeline"])
+def test_a_bad_option_from_the_shell_prints_no_traceback(program: str, tmp_path: Path) -> None:
+    done = _run(program, "--rounds", "3", "--out", str(tmp_path / "run"))
     assert done.returncode == 2
-    assert shown.replace("{tmp}", str(tmp_path)) in done.stderr
+    assert "argument --rounds: must be >= 5, got 3" in done.stderr
     assert "Traceback" not in done.stderr
     assert done.stdout == ""
     assert not list(tmp_path.iterdir())

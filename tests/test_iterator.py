@@ -291,11 +291,16 @@ def test_dataset_error_keeps_type_message_and_traceback() -> None:
     assert "__getitem__" in frames
 
 
-def test_worker_error_keeps_type_and_shows_where() -> None:
+def test_worker_error_keeps_type_and_shows_where(monkeypatch: pytest.MonkeyPatch) -> None:
+    # After a worker's error, DataLoader's workers wait out its join (5 s each) before it
+    # terminates them, DataLoaderX's alike; 0.5 s here, and the iterator dropped while it is.
+    monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 0.5)
     loader = DataLoaderX(Squares(10, fail_at=5), batch_size=2, num_workers=2)
     with pytest.raises(ValueError, match="boom at index 5") as info:
         list(loader)
     assert "__getitem__" in str(info.value)  # DataLoader's worker traceback, as text
+    del info  # its traceback holds the iterator
+    gc.collect()
 
 
 class Abort(BaseException):
@@ -359,12 +364,20 @@ class _StuckAt(Dataset[int]):
 
 RELEASE_WAIT = 40.0
 """Seconds a stuck worker may take to be released: REAP_AFTER, then DataLoader's own 5 s poll
-and its 5 s join before it terminates the worker."""
+and its join before it terminates the worker."""
 
 
 @pytest.mark.parametrize("how", ["break", "close", "new epoch"])
-def test_a_worker_that_never_answers_is_released_as_dataloader_releases_it(how: str) -> None:
-    # DataLoader: the dropped iterator's __del__ terminates the stuck worker after 5 s.
+def test_a_worker_that_never_answers_is_released_as_dataloader_releases_it(
+    how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Both loaders join a worker for MP_STATUS_CHECK_INTERVAL (5 s) before they terminate it;
+    # 0.5 s here for both, with the reaper's wait and close()'s wait for the thread cut to
+    # 0.5 s and 1 s, keep the test short. The thread's own poll of the workers stays 5 s.
+    monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 0.5)
+    monkeypatch.setattr(_engine, "REAP_AFTER", 0.5)
+    monkeypatch.setattr(_engine, "JOIN_TIMEOUT", 1.0)
+    # DataLoader: the dropped iterator's __del__ terminates the stuck worker after the join.
     before = child_pids()
     plain_loader = DataLoader(_StuckAt(8, stuck=3), batch_size=1, num_workers=2)
     for i, _ in enumerate(plain_loader):
