@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -116,6 +117,32 @@ def both_modes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
 
         monkeypatch.setattr("prefetchx._thread_stage.Chooser", Switching)
     return str(request.param)
+
+
+WORKERS = 2
+"""Processes that plain `pytest` runs the suite in, where pytest-xdist is installed (the `dev`
+extra) and the machine has that many cores: CI's 2-core machine is the one the suite, its
+timing bounds included, is checked on."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Plain `pytest` runs in `WORKERS` processes; ``-n`` chooses otherwise (``-n 0``: one),
+    as do ``-p no:xdist``, ``--pdb`` and a run without pytest-xdist.
+
+    Half of the suite's time is a child interpreter importing torch (4 s on the 2-core VM) or
+    waiting on a worker process; in one process CI's run took most of its 15 minutes.
+    """
+    if not config.pluginmanager.hasplugin("xdist") or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    option = config.option
+    if option.numprocesses is not None or option.dist != "no" or option.usepdb:
+        return
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere, the machine's count
+    cores = len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+    if option.collectonly or cores < WORKERS:
+        return
+    option.numprocesses = WORKERS
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -101,9 +101,10 @@ logged() {
     local status=${PIPESTATUS[0]}
     if [ "$rc" -eq 0 ]; then rc=$status; fi
 }
-# --durations: what each test took, to plan the next session's steps.
+# --durations: what each test took, to plan the next session's steps. -p no:xdist: one process,
+# so that the tests have the GPU and its memory to themselves, where pytest-xdist is installed.
 run_pytest() {
-    logged capped "$python" -m pytest -v -ra --durations=15 -p no:cacheprovider "$@"
+    logged capped "$python" -m pytest -v -ra --durations=15 -p no:cacheprovider -p no:xdist "$@"
 }
 
 echo "$header" >"$file"

@@ -63,7 +63,7 @@ PHASE = 64
 """Steps in each phase of the ``phases`` shape."""
 RAMP_LEVELS = 8
 """The ``ramp`` shape's steps take this many distinct costs (each a calibrated `Work`)."""
-HANDOFF_BATCHES = {False: 20000, True: 2000}
+HANDOFF_BATCHES = {False: 20000, True: 500}
 """Batches of the hand-off loop, a full run's and a quick one's."""
 DEEPER = (4, 8, 32)
 """Queue depths the hand-off is also measured at, beyond the run's ``--max-prefetch``: a deeper

@@ -100,10 +100,23 @@ def test_same_batches_as_dataloader_iterable(num_workers: int) -> None:
 
 
 # fork, forkserver (Python 3.14's default on Linux) and spawn (macOS and Windows): the last two
-# give workers pickled arguments and a fresh interpreter.
-@pytest.mark.usefixtures("both_modes")
-@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
-def test_persistent_workers_epochs_match_dataloader(start_method: str) -> None:
+# give workers pickled arguments and a fresh interpreter. The thread stage does not see how
+# its workers started: fork runs in both of its modes, the others in one each (6 s a run).
+@pytest.mark.parametrize(
+    ("start_method", "mode"),
+    [
+        ("fork", "threaded"),
+        ("fork", "switching"),
+        ("forkserver", "switching"),
+        ("spawn", "threaded"),
+    ],
+)
+def test_persistent_workers_epochs_match_dataloader(
+    start_method: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if mode == "switching":
+        monkeypatch.setattr("prefetchx._thread_stage.Chooser", Switching)
+
     def run(cls: type[DataLoader[Any]]) -> list[Any]:
         loader = cls(
             Squares(40),
@@ -750,23 +763,28 @@ from torch.utils.data import DataLoader
 from prefetchx import DataLoaderX
 from tests.helpers import Squares
 
+def counts():
+    seen = []
+    other = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    other.start()
+    other.join()
+    return torch.get_num_threads(), seen[0]
+
 Loader = DataLoaderX if sys.argv[1] == "x" else DataLoader
 kwargs = {"mean": (0.0, 0.0), "std": (2.0, 2.0)} if sys.argv[1] == "x" else {}
-for _ in Loader(Squares(40), batch_size=4, num_workers=int(sys.argv[2]), **kwargs):
-    time.sleep(0.002)  # a step long enough for the thread to stay on
-seen = []
-other = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
-other.start()
-other.join()
-print(torch.get_num_threads(), seen[0])
+for num_workers in (0, 2):
+    for _ in Loader(Squares(40), batch_size=4, num_workers=num_workers, **kwargs):
+        time.sleep(0.002)  # a step long enough for the thread to stay on
+    print(num_workers, *counts())
 """
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_the_callers_intra_op_threads_are_left_alone(num_workers: int) -> None:
-    def counts(which: str) -> str:
+def test_the_callers_intra_op_threads_are_left_alone() -> None:
+    # Each loader in a fresh interpreter, with no workers and then with 2: the counts in the
+    # caller's thread and in a thread it starts afterwards, after each epoch.
+    def counts(which: str) -> list[str]:
         done = subprocess.run(
-            [sys.executable, "-c", _THREADS_SCRIPT, which, str(num_workers)],
+            [sys.executable, "-c", _THREADS_SCRIPT, which],
             cwd=REPO,
             capture_output=True,
             text=True,
@@ -774,9 +792,11 @@ def test_the_callers_intra_op_threads_are_left_alone(num_workers: int) -> None:
             env={**os.environ, "PYTHONPATH": REPO},
         )
         assert done.returncode == 0, done.stderr
-        return done.stdout.strip()
+        return done.stdout.splitlines()
 
-    assert counts("x") == counts("plain")
+    ours = counts("x")
+    assert [line.split()[0] for line in ours] == ["0", "2"]
+    assert ours == counts("plain")
 
 
 # --- typing -----------------------------------------------------------------------------------
