@@ -130,8 +130,9 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
     """Plain `pytest` runs in `WORKERS` processes; ``-n`` chooses otherwise (``-n 0``: one),
     as do ``-p no:xdist``, ``--pdb`` and a run without pytest-xdist.
 
-    Half of the suite's time is a child interpreter importing torch (4 s on the 2-core VM) or
-    waiting on a worker process; in one process CI's run took most of its 15 minutes.
+    Many tests wait: on a child interpreter importing torch (4 s on the 2-core VM), on worker
+    processes, on timeouts. In one process the suite kept one of the VM's two cores busy
+    and took 446 s; in two, 280 s.
     """
     if not config.pluginmanager.hasplugin("xdist") or os.environ.get("PYTEST_XDIST_WORKER"):
         return
