@@ -292,8 +292,8 @@ def test_dataset_error_keeps_type_message_and_traceback() -> None:
 
 
 def test_worker_error_keeps_type_and_shows_where(monkeypatch: pytest.MonkeyPatch) -> None:
-    # After a worker's error, DataLoader's workers wait out its join (5 s each) before it
-    # terminates them, DataLoaderX's alike; 0.5 s here, and the iterator dropped while it is.
+    # After a worker's error, DataLoader joins each worker for 5 s before it terminates it,
+    # under DataLoaderX too; 0.5 s here, and the iterator dropped while that is patched.
     monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 0.5)
     loader = DataLoaderX(Squares(10, fail_at=5), batch_size=2, num_workers=2)
     with pytest.raises(ValueError, match="boom at index 5") as info:

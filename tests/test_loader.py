@@ -103,20 +103,16 @@ def test_same_batches_as_dataloader_iterable(num_workers: int) -> None:
 # give workers pickled arguments and a fresh interpreter. The thread stage does not see how
 # its workers started: fork runs in both of its modes, the others in one each (6 s a run).
 @pytest.mark.parametrize(
-    ("start_method", "mode"),
+    ("start_method", "both_modes"),
     [
         ("fork", "threaded"),
         ("fork", "switching"),
         ("forkserver", "switching"),
         ("spawn", "threaded"),
     ],
+    indirect=["both_modes"],
 )
-def test_persistent_workers_epochs_match_dataloader(
-    start_method: str, mode: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    if mode == "switching":
-        monkeypatch.setattr("prefetchx._thread_stage.Chooser", Switching)
-
+def test_persistent_workers_epochs_match_dataloader(start_method: str, both_modes: str) -> None:
     def run(cls: type[DataLoader[Any]]) -> list[Any]:
         loader = cls(
             Squares(40),
