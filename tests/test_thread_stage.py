@@ -410,12 +410,20 @@ def test_the_callers_filters_when_it_receives_the_item_decide_too() -> None:
 class Paced:
     """``range(n)``, each item taking ``seconds`` to make in the caller's thread and
     ``seconds * slower_in_a_thread`` in any other (a thread that costs the machine more than it
-    hides, as on oversubscribed cores), recording who made it."""
+    hides, as on oversubscribed cores), recording who made it. With ``slower_until``, the items
+    from that one on take as long in any thread."""
 
-    def __init__(self, n: int, seconds: float, slower_in_a_thread: float = 1.0) -> None:
+    def __init__(
+        self,
+        n: int,
+        seconds: float,
+        slower_in_a_thread: float = 1.0,
+        slower_until: int | None = None,
+    ) -> None:
         self.source = Flaky(n)
         self.seconds = seconds
         self.slower = slower_in_a_thread
+        self.until = n if slower_until is None else slower_until
         self.main = threading.current_thread()
 
     @property
@@ -426,7 +434,7 @@ class Paced:
         return self
 
     def __next__(self) -> int:
-        here = threading.current_thread() is self.main
+        here = threading.current_thread() is self.main or self.source.i >= self.until
         time.sleep(self.seconds if here else self.seconds * self.slower)
         return next(self.source)
 
@@ -489,12 +497,15 @@ def test_a_thread_that_slows_the_loop_is_sent_back() -> None:
 
 @pytest.mark.adaptive
 def test_the_choice_follows_the_loop_as_it_changes() -> None:
-    # No work in the step first, then a step the thread can hide the data behind.
-    source = Paced(300, 0.001)
+    # First a step of no work and items a thread makes 4x slower: the loop keeps making them,
+    # even if a loaded machine's preemptions make a window's steps look worth a probe (with
+    # equal costs, a probe could win on noise). Then a step as long as an item, now as quick
+    # to make in any thread: the thread halves the loop's time, a gain no preemption hides.
+    source = Paced(300, 0.005, slower_in_a_thread=4.0, slower_until=100)
     stage = ThreadStage(source, max_prefetch=2)
     for i in stage:
         if i >= 100:
-            time.sleep(0.002)
+            time.sleep(0.005)
     assert _made_by_thread(source.threads[:100]) < 30
     assert _made_by_thread(source.threads[150:]) > 100
 
