@@ -62,6 +62,18 @@ seconds after which a worker still running writes its own): well inside `COLLECT
 a rank that keeps the other waiting says where it is before the other gives up. Progress re-arms
 the rank's timer, so a slow machine writes nothing."""
 
+STARTUP_STALL_AFTER = 60.0
+"""`STALL_AFTER` for a rank until its first epoch has run. Starting up (joining the group, and
+the imports that DDP, the first step and the optimizer make lazily) takes seconds on a loaded
+machine, and is no stall. And faulthandler dumps a thread's stack from its watchdog thread while
+the thread runs: during an import that can crash the process. A rank died so in CI (SIGSEGV, its
+stacks file inside ``torch._dynamo``'s imports 1.7 s in), and importing torch with a dump every
+5 ms crashed 6 runs in 6 on the 2-core VM."""
+
+SLOW_START = float(os.environ.get("PREFETCHX_TEST_SLOW_START", "0"))
+"""Set (seconds) only by `test_a_hung_rank_fails_the_run_and_says_where`: rank 0 takes this much
+longer to start, past `STALL_AFTER`, as on a loaded machine."""
+
 
 def _stacks_file(out_dir: str, name: str) -> TextIO:
     return open(os.path.join(out_dir, f"stacks-{name}-pid{os.getpid()}.txt"), "w")
@@ -102,9 +114,13 @@ class Indexed(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
 def _run_rank(out_dir: str) -> None:
     """One rank: DDP training from DataLoaderX, and the plain DataLoader's epochs beside it."""
     stacks = _stacks_file(out_dir, f"rank{os.environ['RANK']}")
-    # Each call re-arms the timer: the stacks are written only after STALL_AFTER s without one.
-    progress = functools.partial(faulthandler.dump_traceback_later, STALL_AFTER, file=stacks)
+    # Each call re-arms the timer: the stacks are written only after so long without one.
+    progress = functools.partial(
+        faulthandler.dump_traceback_later, STARTUP_STALL_AFTER, file=stacks
+    )
     progress()
+    if SLOW_START and os.environ["RANK"] == "0":
+        time.sleep(SLOW_START)
     dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)  # torchrun's environment
     progress()
     rank = dist.get_rank()
@@ -140,6 +156,10 @@ def _run_rank(out_dir: str) -> None:
                     progress()
                 record[f"ours/{num_workers}/{epoch}"] = trained
                 record[f"plain/{num_workers}/{epoch}"] = list(plain)
+                # Started up: from here on, a rank that stands still is stalled.
+                progress = functools.partial(
+                    faulthandler.dump_traceback_later, STALL_AFTER, file=stacks
+                )
                 progress()
             ours.close()
         record["final"] = [p.detach().clone() for p in model.parameters()]
@@ -242,8 +262,12 @@ def test_no_rank_left_a_thread_or_a_worker(ranks: list[dict[str, Any]]) -> None:
 def test_a_hung_rank_fails_the_run_and_says_where(tmp_path: Any) -> None:
     # Rank 0's workers hang in the first batch with workers: rank 1 times out in its collective,
     # and the message shows rank 0's stacks, in the loop, and its workers', in the dataset.
+    # Rank 0 also starts slowly: that is no stall, and its stacks are written once, in the loop.
     returncode, out, err = torchrun(
-        "tests/test_distributed.py", str(tmp_path), PREFETCHX_TEST_HANG="5"
+        "tests/test_distributed.py",
+        str(tmp_path),
+        PREFETCHX_TEST_HANG="5",
+        PREFETCHX_TEST_SLOW_START="2",
     )
     message = _failure(returncode, out, err, str(tmp_path))
     assert returncode != 0, message
@@ -255,6 +279,7 @@ def test_a_hung_rank_fails_the_run_and_says_where(tmp_path: Any) -> None:
     assert workers, message
     with open(rank0[0]) as file:
         stacks = file.read()
+    assert stacks.count("Timeout (") == 1, message
     assert "in _run_rank" in stacks, message
     assert "prefetchx" in stacks, message  # waiting for the batch, inside DataLoaderX
     for path in workers:
