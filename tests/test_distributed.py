@@ -66,9 +66,9 @@ STARTUP_STALL_AFTER = 60.0
 """`STALL_AFTER` for a rank until its first epoch has run. Starting up (joining the group, and
 the imports that DDP, the first step and the optimizer make lazily) takes seconds on a loaded
 machine, and is no stall. And faulthandler dumps a thread's stack from its watchdog thread while
-the thread runs: during an import that can crash the process. A rank died so in CI (SIGSEGV, its
-stacks file inside ``torch._dynamo``'s imports 1.7 s in), and importing torch with a dump every
-5 ms crashed 6 runs in 6 on the 2-core VM."""
+the thread runs: during an import that can crash the process. A rank died so in a local CI run
+(SIGSEGV, its stacks file inside ``torch._dynamo``'s imports 1.7 s in), and importing torch with
+a dump every 5 ms crashed 6 runs in 6 on the 2-core VM."""
 
 SLOW_START = float(os.environ.get("PREFETCHX_TEST_SLOW_START", "0"))
 """Set (seconds) only by `test_a_hung_rank_fails_the_run_and_says_where`: rank 0 takes this much
