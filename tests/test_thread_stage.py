@@ -500,7 +500,8 @@ def test_the_choice_follows_the_loop_as_it_changes() -> None:
     # First a step of no work and items a thread makes 4x slower: the loop keeps making them,
     # even if a loaded machine's preemptions make a window's steps look worth a probe (with
     # equal costs, a probe could win on noise). Then a step as long as an item, now as quick
-    # to make in any thread: the thread halves the loop's time, a gain no preemption hides.
+    # to make in any thread: the thread halves the loop's time (under 6 CPU burners on 2 cores
+    # it still lost once in 30 runs: its GIL hand-offs cost milliseconds there).
     source = Paced(300, 0.005, slower_in_a_thread=4.0, slower_until=100)
     stage = ThreadStage(source, max_prefetch=2)
     for i in stage:
