@@ -1,5 +1,6 @@
-"""The benchmark programs of issue #16, ``benchmarks/grid.py`` and ``benchmarks/jpeg_pipeline.py``:
-their quick runs write a table and a JSON record of the expected shape; the full grid's cells."""
+"""The benchmark programs of issue #16, ``benchmarks/grid.py``, ``benchmarks/jpeg_pipeline.py`` and
+``benchmarks/no_work.py``: their quick runs write a table and a JSON record of the expected shape;
+the full grid's cells."""
 
 from __future__ import annotations
 
@@ -75,6 +76,29 @@ def _paired(ratios: dict[str, Any], arms: set[str] = ARMS) -> None:
         assert len(spread["rounds"]) == 5, arm  # paired rounds, at least 5
         assert spread["low"] <= spread["median"] <= spread["high"]
     assert ratios["plain"]["rounds"] == [1.0] * 5
+
+
+def test_the_quick_no_work_run_takes_the_loops_cost_apart(tmp_path: Path) -> None:
+    stem = tmp_path / "no_work"
+    arms = {"plain", "source", "stage", "prefetchx", "generator", "wrapper", "c_level"}
+    text, record = _recorded(stem, _run("no_work", "--quick", "--out", str(stem)), arms)
+    figures = record["figures"]
+    _paired({name: f["vs_plain"] for name, f in figures.items()}, arms)
+    for name, f in figures.items():
+        assert len(f["epochs_s"]) == 5, name
+        assert f["us_per_batch"] > 0, name
+        assert f"\n{name} " in text, name  # a row of the table
+    assert figures["plain"]["above_plain_us"] == 0.0
+    # The conclusion quotes DataLoaderX's own figures, as the table shows them.
+    ours = figures["prefetchx"]
+    assert f"{ours['vs_plain']['median']:.3f}x plain" in record["conclusion"]
+    assert f"{ours['above_plain_us']:.2f} us a batch" in record["conclusion"]
+
+
+def test_no_work_refuses_fewer_rounds_than_a_paired_figure_needs() -> None:
+    done = _run("no_work", "--rounds", "3")
+    assert done.returncode == 2
+    assert "--rounds must be at least 5, got 3" in done.stderr
 
 
 def test_the_quick_grid_writes_its_table_and_record(tmp_path: Path) -> None:
