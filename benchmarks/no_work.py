@@ -20,7 +20,7 @@ layer, and holds it against hand-offs that do less:
 The last three are not prefetchx: they are floors, measured in the same rounds, for what a
 hand-off in Python and one with no Python per batch cost on this machine. Arms run in paired
 rounds in one process (`prefetchx.bench.paired`); each figure is the median over rounds of the
-arm's time per batch above plain's in the same round, and of plain's throughput over the arm's.
+arm's time per batch above plain's in the same round, and of the arm's throughput over plain's.
 
 Usage:
     python benchmarks/no_work.py [--rounds 21] [--batches 3000] [--out STEM] [--quick]
