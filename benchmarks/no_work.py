@@ -8,7 +8,8 @@ layer, and holds it against hand-offs that do less:
 * ``source``: the DataLoader iterator DataLoaderX builds, iterated bare (what it adds before its
   stages: the sampler it records for ``state_dict``);
 * ``stage``: the thread stage alone over a DataLoader iterator, with no thread and no choice
-  (``max_prefetch=0``): the stall meter's bookkeeping and the stage's call per batch;
+  (``max_prefetch=0``), iterated through its ``outlet`` as DataLoaderX's iterator does: the
+  stall meter's bookkeeping, in counted windows;
 * ``prefetchx``: DataLoaderX, the loop's own iterator;
 * ``generator``: a Python generator that yields the DataLoader iterator's batches;
 * ``wrapper``: a class whose ``__next__`` calls the DataLoader iterator and appends one float to
@@ -51,7 +52,8 @@ from prefetchx.bench.synthetic import Work, WorkDataset, machine_meta
 ARMS = {
     "plain": "DataLoader, the baseline",
     "source": "the DataLoader iterator DataLoaderX builds, iterated bare",
-    "stage": "ThreadStage(max_prefetch=0) over a DataLoader iterator: the meter, no thread",
+    "stage": "ThreadStage(max_prefetch=0)'s outlet over a DataLoader iterator: the meter, "
+    "no thread",
     "prefetchx": "DataLoaderX",
     "generator": "floor: a Python generator over the DataLoader iterator",
     "wrapper": "floor: a class whose __next__ calls the DataLoader iterator and appends a float",
@@ -134,7 +136,7 @@ def arms(batches: int) -> dict[str, Callable[[], float]]:
     return {
         "plain": _timed(lambda: iter(plain)),
         "source": _timed(_bare_source(ours)),
-        "stage": _timed(lambda: ThreadStage(iter(plain), max_prefetch=0)),
+        "stage": _timed(lambda: ThreadStage(iter(plain), max_prefetch=0).outlet()),
         "prefetchx": _timed(lambda: iter(ours)),
         "generator": _timed(lambda: _generator(iter(plain))),
         "wrapper": _timed(lambda: _Wrapper(iter(plain))),

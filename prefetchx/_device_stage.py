@@ -126,6 +126,10 @@ class DeviceStage(Iterator[Any]):
     def __iter__(self) -> DeviceStage:
         return self
 
+    def outlet(self) -> Iterator[Any]:
+        """The stage's outcomes for the loop: this stage itself, which times every batch."""
+        return self
+
     def __next__(self) -> Any:
         asked_at = time.perf_counter()
         if self._returned_at is not None:
@@ -149,7 +153,7 @@ class DeviceStage(Iterator[Any]):
         if head.__class__ is Failure:
             self._top_up(consumer)
             self._returned(asked_at)
-            self.stats.errors += 1
+            self.stats.add_errors(1)
             head.reraise()
         batch, event, host = head  # type: ignore[misc]
         if streams is not None:

@@ -119,7 +119,11 @@ class PrefetchIterator(Iterator[T], Generic[T]):
         stage = self._pipeline.build(feed, epoch.stats, reapable=reapable, limit=length)
         epoch.tally = stage.tally
         self._stage: Stage = stage
-        self._next: Callable[[], T] = stage.__next__
+        # The outlet's counted windows hold the source between calls; not the iterator of
+        # DataLoader's worker processes, which a close must release at once, even while a
+        # loop keeps this iterator's ``__next__``. Its batches cost far more than the meter.
+        workers = isinstance(self._source, _MultiProcessingDataLoaderIter)
+        self._next: Callable[[], T] = (stage if workers else stage.outlet()).__next__
 
     def __iter__(self) -> PrefetchIterator[T]:
         return self
@@ -180,7 +184,10 @@ class PrefetchIterator(Iterator[T], Generic[T]):
         Idempotent; ``next()`` raises `StopIteration` afterwards. The DataLoader iterator is
         released, so its workers shut down, unless the loader keeps it for persistent workers.
         """
-        self._stage.close()
+        stage = self._stage
+        stage.close()
+        # The outlet's counted window holds the source: let it go with the stage's.
+        self._next = stage.__next__
         if not self._keep_source and self._source is not None:
             try:
                 self._length = len(self._source)  # type: ignore[arg-type]

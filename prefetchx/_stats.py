@@ -164,8 +164,7 @@ class EpochStats:
         self.step = Series()
         self.produce = Series()
         self.occupancy = Series()
-        self.errors = 0
-        """Errors raised to the loop in place of a batch."""
+        self._errors = 0
         self.warmup_s = math.nan
         """The loop's wait for the epoch's first batch or error; ``nan`` before it."""
         self.gpu_idle = Series()
@@ -201,6 +200,18 @@ class EpochStats:
             self.step_threaded,
         ):
             series.fold()
+
+    @property
+    def errors(self) -> int:
+        """Errors raised to the loop in place of a batch."""
+        refresh = self.wait.refresh  # a stage that counts batches files them when read
+        if refresh is not None:
+            refresh()
+        return self._errors
+
+    def add_errors(self, errors: int) -> None:
+        """Count ``errors`` more errors raised to the loop (fewer where negative)."""
+        self._errors += errors
 
     @property
     def batches(self) -> int:

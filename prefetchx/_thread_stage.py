@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
+import itertools
 import logging
 import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from operator import itemgetter, length_hint
 from time import perf_counter
 from typing import Any, Generic, TypeVar
 
@@ -47,8 +50,8 @@ COARSE_BELOW_S = 200e-6
 come, has its batches counted rather than each timed: two clock reads and two appends a batch
 cost such a loop 1% to 3% (measured on the 2-core VM: about 2 us a batch in a 65 us pure-Python
 loop, where the step leaves the caches cold, and 0.3 us in a loop of no work). The meter then
-times one batch in each window of `coarse_window` batches and counts the others (see
-`ThreadStage._checkpoint`)."""
+times one batch in each window of `coarse_window` batches and counts the others, with no
+Python run per counted batch (see `ThreadStage.outlet`)."""
 
 COARSE_SPAN_S = 5e-3
 """A counted window lasts about this long: a change in the loop is seen within it, and its one
@@ -68,6 +71,37 @@ def coarse_window(period: float) -> int:
 
 _SPECIAL = (Signal, Failure, Warned)
 """Queue values that are not plain items."""
+
+_Counters = tuple[Iterator[int], Iterator[int], Iterator[int], int]
+"""A counted window's counters (see `ThreadStage._open`): of the loop's calls, of the source's
+calls, of the source's items; and the window's size."""
+
+_ITEM = itemgetter(2)
+"""A counted window's item: the source's, after the two counters zipped before it."""
+
+
+class _Raise:
+    """An exception met by the outlet's own code (an interrupt at a window's edge), raised to
+    the loop as one outcome: `itertools.chain` keeps a part that raised, and goes on to the
+    next part once it ends, so the outlet goes on too."""
+
+    __slots__ = ("_exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self._exc: BaseException | None = exc
+
+    def __iter__(self) -> _Raise:
+        return self
+
+    def __next__(self) -> Any:
+        exc, self._exc = self._exc, None
+        if exc is None:
+            raise StopIteration
+        try:
+            raise exc
+        finally:
+            del exc
+
 
 _stopping: weakref.WeakSet[_Producer] = weakref.WeakSet()
 """Producer threads asked to stop that may still be finishing their current call."""
@@ -511,10 +545,11 @@ class ThreadStage(Iterator[T], Generic[T]):
 
     The same clock reads feed the stall meter, ``stats``: each item's wait and the step before
     it. In a loop that makes its own items at under 200 us an item, two clock reads an item
-    would cost it 1% to 3%: there, once no look at the thread is due, the meter times the first
-    item of each window of about 5 ms (each window of 256 items at most) and counts the others.
-    Each counted item gets the timed one's wait, and their steps share what is left of the
-    window's time; counts stay exact.
+    would cost it 1% to 3%: there, for a loop that iterates `outlet` (a DataLoaderX's iterator
+    does), once no look at the thread is due, the meter times the first item of each window of
+    about 5 ms (each window of 256 items at most) and counts the others, with no Python run for
+    them. Each counted item gets the timed one's wait, and their steps share what is left of the
+    window's time; counts stay exact. ``next()`` on the stage itself times every item.
 
     Args:
         source: The iterator to run ahead. Create it on the calling thread.
@@ -586,7 +621,11 @@ class ThreadStage(Iterator[T], Generic[T]):
         self._window_start = 0.0
         self._returned_at: float | None = None
         self._sampling = False  # the next batch is a fast loop's timed one (see `_checkpoint`)
-        self._coarse = False  # batches are counted, not timed, until the window ends
+        self._express = False  # the loop iterates `outlet`, which can run counted windows
+        self._due = 0  # batches of the counted window to come once the timed one is handed
+        self._counters: _Counters | None = None  # of the counted window running (see `_open`)
+        self._filed = (0, 0, 0)  # its calls, outcomes and errors the meter has so far
+        self._sync_lock = threading.Lock()  # the meter is filed from the loop and from readers
         self._coarse_from = 0.0  # when the counted part of the window began
         self._coarse_length = COARSE_WINDOW  # batches in the counted window to come
         self._estimate = 0.0  # the wait recorded for each counted batch: the timed one's
@@ -594,48 +633,167 @@ class ThreadStage(Iterator[T], Generic[T]):
         self._add_step = self.stats.step.add
         self._add_wait = self.stats.wait.add
         self._add_occupancy = self.stats.occupancy.add
+        ref = weakref.ref(self)  # the meter outlives the stage: it must not keep it alive
+
+        def sync() -> None:
+            stage = ref()
+            if stage is not None:
+                stage._sync()
+
+        self._refresh: Callable[[], None] = sync
 
     def __iter__(self) -> ThreadStage[T]:
         return self
 
     def __next__(self) -> T:
-        # The hot path: a loop with no step work pays for every line here, so a batch costs two
-        # clock reads and two list appends, or, in a loop too fast to be worth timing (see
-        # `_checkpoint`), one append; the rest happens at a window's end.
+        # The hot path of a batch timed on its own: two clock reads and two list appends. A
+        # loop too fast to be worth timing gets most of its batches from `outlet` without it.
+        if self._due:
+            raise StopIteration  # to `outlet`, which runs the counted window due now
         value: Any
-        if self._coarse:
-            # Counted, not timed (see `_checkpoint`): the caller makes every batch, the thread
-            # parked or absent, and `_file_steps` counts them in `_made` (`close` ends this).
-            try:
-                value = next(self._source)  # type: ignore[arg-type]  # not None: not closed
-            except StopIteration:
-                # The steps of the batches counted, the last one's included: as timed, the
-                # loop asked for this call after it.
-                self._file_steps(perf_counter(), self._window - self._countdown)
-                self._end()
-                raise
-            except BaseException as exc:
-                value = Failure(exc)
-            self._add_wait(self._estimate)
-        else:
-            asked_at = perf_counter()
-            previous = self._returned_at
-            if previous is not None:
-                self._add_step(asked_at - previous)
-            value = self._make_here() if self._inline else self._from_queue()
-            self._returned_at = returned_at = perf_counter()
-            if previous is None:
-                self.stats.warmup_s = returned_at - asked_at
-            self._add_wait(returned_at - asked_at)
+        asked_at = perf_counter()
+        previous = self._returned_at
+        if previous is not None:
+            self._add_step(asked_at - previous)
+        value = self._make_here() if self._inline else self._from_queue()
+        self._returned_at = returned_at = perf_counter()
+        if previous is None:
+            self.stats.warmup_s = returned_at - asked_at
+        self._add_wait(returned_at - asked_at)
         self._countdown -= 1
         if not self._countdown:
             self._checkpoint(facing=True)  # `counted`, written out
         if value.__class__ is Failure:
-            self.stats.errors += 1
+            self.stats.add_errors(1)
             # The traceback keeps this frame: it must not keep the stage (and its thread) alive.
             del self
             value.reraise()
         return value  # type: ignore[no-any-return]  # an item of the source
+
+    def outlet(self) -> Iterator[T]:
+        """The stage's outcomes for a loop that faces it, as ``next()`` hands them, but with
+        the counted windows of a loop too fast to time each batch run in C.
+
+        Running Python for each counted batch costs a loop of no work 2% to 3% (measured on
+        the 2-core VM with ``benchmarks/no_work.py``). The outlet is an `itertools.chain` of
+        parts: this stage itself, whose ``next()`` times each batch, until a counted window is
+        due; then the window, a `zip` of two counters, the source and a third counter, which
+        hands over the source's batches and exceptions with no Python between the loop and
+        the source; then this stage again. What the counters counted tells, exactly and at
+        any time, the calls made, the batches and the errors, and whether the source has
+        ended. Python runs once a window, at its end, and when the meter is read inside one.
+        Every outcome and its order are the source's: an exception leaves the window running,
+        as it leaves the stage, and `close` ends the window before its next call of the
+        source.
+        """
+        self._express = True
+        return itertools.chain.from_iterable(self._segments())
+
+    def _segments(self) -> Iterator[Iterator[T]]:
+        """The parts of `outlet`, in turn."""
+        while True:
+            if not self._due:
+                yield self  # timed batch by batch, until a counted window is due or the end
+                if self._due:
+                    continue
+                return  # the source has ended, or the stage was closed
+            try:
+                counted = self._open()
+            except BaseException as exc:  # an interrupt: raised in the loop, which may go on
+                yield _Raise(exc)
+                continue
+            if counted is None:
+                return
+            yield counted
+            del counted  # it holds the source
+            try:
+                if not self._settle():
+                    return  # the source has ended, or the stage was closed
+            except BaseException as exc:
+                yield _Raise(exc)
+
+    def _open(self) -> Iterator[T] | None:
+        """The counted window due: the source's next `_due` calls, zipped after a counter of
+        the loop's calls (one more than the window's, so that the call past the window shows)
+        and one of the source's calls, and before one of its items, which a call that raises
+        does not reach. What they counted (`operator.length_hint`) tells, exactly and at any
+        time, the calls made, the batches and the errors, and whether the source has ended."""
+        source = self._source
+        if source is None:
+            return None
+        size, self._due = self._due, 0
+        asked, calls, items = iter(range(size + 1)), iter(range(size)), iter(range(size))
+        with self._sync_lock:
+            self._filed = (0, 0, 0)
+            self._counters = (asked, calls, items, size)
+            self.stats.wait.refresh = self.stats.step.refresh = self._refresh
+        return map(_ITEM, zip(asked, calls, source, items, strict=False))
+
+    def _settle(self) -> bool:
+        """A counted window has ended, in the loop's call after its last: with the window
+        full, or with the source's `StopIteration` (the loop asked for no call past the
+        source's, so the counter of its calls shows one left). File its batches in the meter:
+        each with the timed batch's wait, their steps each an equal share of what is left of
+        the window's time; then decide the next window, or end.
+
+        Returns:
+            Whether the stage goes on.
+        """
+        now = perf_counter()
+        with self._sync_lock:
+            counters = self._counters
+            if counters is None:
+                return False  # closed
+            asked, calls_left, items_left, size = counters
+            left = length_hint(calls_left)
+            ended = length_hint(asked) > left
+            calls = size - left
+            outcomes = calls - 1 if ended else calls
+            # The window's time: a wait for each call; a step before each call, and before
+            # this call where it is the one after a full window.
+            steps = calls if ended else calls + 1
+            busy = now - self._coarse_from - calls * self._estimate
+            step = max(0.0, busy / max(1, steps))
+            self._file(calls, outcomes, size - length_hint(items_left), step)
+            self._counters = None
+            self.stats.wait.refresh = self.stats.step.refresh = None
+        self._step_estimate = step
+        self._made += calls
+        if ended:
+            self._end()
+            return False
+        self._returned_at = now - step  # this call's step, the one before it, is timed
+        self._checkpoint(facing=True)
+        return True
+
+    def _sync(self) -> None:
+        """Inside a counted window, file the batches handed so far: the meter is read (its
+        `Series.refresh`). The counts are exact; a call of the source still running counts
+        as an error until it returns its batch. Each step is the last window's mean."""
+        with self._sync_lock:
+            counters = self._counters
+            if counters is None:
+                return
+            _, calls_left, items_left, size = counters
+            calls = size - length_hint(calls_left)
+            self._file(calls, calls, size - length_hint(items_left), self._step_estimate)
+
+    def _file(self, calls: int, outcomes: int, batches: int, step: float) -> None:
+        """File in the meter a counted window's ``calls`` calls of the source so far (each
+        after a ``step``), ``outcomes`` outcomes handed over (each with the timed batch's
+        wait), ``batches`` of them batches; less what it has filed of the window already."""
+        filed_calls, filed_outcomes, filed_errors = self._filed
+        stats = self.stats
+        stats.wait.pending.extend([self._estimate] * (outcomes - filed_outcomes))
+        stats.step.pending.extend([step] * (calls - filed_calls))
+        errors = outcomes - batches
+        stats.add_errors(errors - filed_errors)
+        self._filed = (calls, outcomes, errors)
+
+    @property
+    def counting(self) -> bool:
+        """Whether the loop is inside a counted window of `outlet`."""
+        return self._counters is not None
 
     def take(self, block: bool) -> Any:
         """The next outcome, for a stage composed after this one; a loop uses ``next()``.
@@ -808,28 +966,24 @@ class ThreadStage(Iterator[T], Generic[T]):
         samples when they pile up.
 
         ``facing``: the loop gets its items from this stage's ``next()``, which then records the
-        meter's waits and steps. There, a loop under `COARSE_BELOW_S` a batch that makes its own
-        batches, with no probe of the thread to come, gets windows of about `COARSE_SPAN_S`
-        (`coarse_window`) whose first batch alone is timed: each of the others is counted with
-        that batch's wait, and at the window's end their steps are filed, each an equal share
-        of what is left of the window's time. Every count stays exact, and so does the window's
-        time, which is all the chooser weighs, unless the timed wait was longer than the others;
-        whether the thread is worth a probe is told from the window's mean step and wait, so
-        from the timed batch's wait and the rest.
+        meter's waits and steps. There, if the loop iterates `outlet`, a loop under
+        `COARSE_BELOW_S` a batch that makes its own batches, with no probe of the thread to
+        come, gets windows of about `COARSE_SPAN_S` (`coarse_window`) whose first batch alone is
+        timed: each of the others is counted with that batch's wait, and at the window's end
+        their steps are filed, each an equal share of what is left of the window's time. Every
+        count stays exact, and so does the window's time, which is all the chooser weighs,
+        unless the timed wait was longer than the others; whether the thread is worth a probe is
+        told from the window's mean step and wait, so from the timed batch's wait and the rest.
         """
         now = perf_counter()
-        if self._sampling:  # the window's timed batch: the others are counted
+        if self._sampling:  # the window's timed batch: `outlet` counts the others
             self._sampling = False
-            self._coarse = True
             self._estimate = self.stats.wait.last(1)[0]
             self._step_estimate = self.stats.step.last(1)[0]
             self._window = self._coarse_length
-            self._countdown = self._coarse_length - 1
+            self._due = self._coarse_length - 1
             self._coarse_from = now
             return
-        if self._coarse:
-            self._file_steps(now, self._window - 1)
-            self._returned_at = now  # the next step is timed from here
         period = (now - self._window_start) / self._window
         chooser = self._chooser
         length = WINDOW
@@ -847,6 +1001,7 @@ class ThreadStage(Iterator[T], Generic[T]):
         self._window_start = perf_counter()
         if (
             facing
+            and self._express
             and period < COARSE_BELOW_S
             and length == WINDOW
             and self._inline
@@ -869,18 +1024,6 @@ class ThreadStage(Iterator[T], Generic[T]):
             chooser.cut(left)
             return left
         return length
-
-    def _file_steps(self, now: float | None, batches: int) -> None:
-        """End a counted part of a window: ``batches`` steps, each the mean of what is left of
-        the part's time up to ``now`` once their counted waits are taken out; with ``now``
-        ``None`` (a close, long after the last batch maybe), each the last such mean."""
-        self._coarse = False
-        self._made += batches
-        if batches > 0:
-            if now is not None:
-                elapsed = now - self._coarse_from
-                self._step_estimate = max(0.0, elapsed / batches - self._estimate)
-            self.stats.step.pending.extend([self._step_estimate] * batches)
 
     def _means(self) -> tuple[float, float]:
         """The current window's mean step and mean wait."""
@@ -931,8 +1074,14 @@ class ThreadStage(Iterator[T], Generic[T]):
         """
         if self._finalizer is not None:
             self._finalizer.detach()
-        if self._coarse:  # the steps of the batches counted so far
-            self._file_steps(None, self._window - 1 - self._countdown)
+        counters = self._counters
+        if counters is not None:  # in a counted window: file what the loop took, and end it
+            self._sync()
+            with self._sync_lock:
+                self._counters = None
+                self.stats.wait.refresh = self.stats.step.refresh = None
+            collections.deque(counters[1], maxlen=0)  # its next call ends it: no source call
+        self._due = 0
         self._sampling = False
         producer = self._producer
         if producer is not None:

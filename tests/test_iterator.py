@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from conftest import leftovers
 from prefetchx import DataLoaderX, Prefetcher, _engine
+from prefetchx._iterator import PrefetchIterator
 from tests.helpers import (
     ALWAYS_THREADED,
     REPO,
@@ -624,3 +625,179 @@ def test_batches_past_len_come_from_the_loops_thread() -> None:
     loader = DataLoaderX(range(6), batch_sampler=Longer(), collate_fn=remember, max_prefetch=2)
     assert [x for [x] in loader] == list(range(6))
     assert callers[3:] == ["MainThread"] * 3
+
+
+# --- a loop too fast to time each batch: counted windows ---------------------------------------
+
+
+class _FailsAt(Dataset[int]):
+    """Items ``0..n-1``; the indices in ``fail`` raise `ValueError`. Counts its calls."""
+
+    def __init__(self, n: int, fail: set[int]) -> None:
+        self.n, self.fail, self.calls = n, fail, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        self.calls += 1
+        if i in self.fail:
+            raise ValueError(f"item {i}")
+        return i
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every loop counts as too fast to time, and as not worth a thread: batches come through
+    counted windows after the first few."""
+    monkeypatch.setattr("prefetchx._thread_stage.COARSE_BELOW_S", 1.0)
+    monkeypatch.setattr("prefetchx._adapt.HIDE_AT_LEAST_S", 1.0)
+
+
+def _each(take: Any, check: Any = lambda: None) -> list[Any]:
+    """Every outcome of ``take()`` until StopIteration, errors as text; ``check`` after each."""
+    out: list[Any] = []
+    while True:
+        try:
+            out.append(take())
+        except StopIteration:
+            return out
+        except ValueError as exc:
+            out.append(str(exc))
+        check()
+
+
+FAIL = {3, 200, 201, 555, 999}
+
+
+@pytest.mark.adaptive
+@pytest.mark.usefixtures("counted")
+def test_counted_windows_hand_out_what_dataloader_does_with_exact_counts() -> None:
+    expected = _each(iter(DataLoader(_FailsAt(1000, FAIL), batch_size=None)).__next__)
+    loader = DataLoaderX(_FailsAt(1000, FAIL), batch_size=None)
+    it = iter(loader)
+    seen: list[tuple[int, int]] = []
+    windows = 0
+
+    def check() -> None:
+        nonlocal windows
+        windows += it._stage.counting
+        # Read inside a counted window, the meter counts what the loop has had, exactly.
+        seen.append((loader.stats.batches, loader.stats.errors))
+
+    got = _each(it.__next__, check)
+    assert got == expected
+    assert windows > 900  # nearly every batch came through a counted window
+    texts = [isinstance(value, str) for value in got]
+    assert seen[:-1] == [
+        (k + 1 - sum(texts[: k + 1]), sum(texts[: k + 1])) for k in range(len(got) - 1)
+    ]
+    assert (loader.stats.batches, loader.stats.errors) == (1000 - len(FAIL), len(FAIL))
+    assert loader.dataset.calls == 1000  # type: ignore[attr-defined]
+
+
+@pytest.mark.adaptive
+@pytest.mark.usefixtures("counted")
+def test_a_loop_that_keeps_next_gets_every_outcome_across_windows_and_errors() -> None:
+    # iter(it.__next__, None) and frameworks that keep the bound method: one callable for the
+    # whole epoch, through windows, errors and their ends, as DataLoader's.
+    expected = _each(iter(DataLoader(_FailsAt(1000, FAIL), batch_size=None)).__next__)
+    assert _each(iter(DataLoaderX(_FailsAt(1000, FAIL), batch_size=None)).__next__) == expected
+
+
+@pytest.mark.adaptive
+@pytest.mark.usefixtures("counted")
+def test_close_inside_a_counted_window_calls_the_source_no_more_and_releases_it() -> None:
+    dataset = _FailsAt(1000, set())
+    it = iter(DataLoaderX(dataset, batch_size=None))
+    assert [next(it) for _ in range(300)] == list(range(300))
+    assert it._stage.counting
+    source = weakref.ref(it._source)
+    it.close()
+    assert source() is None  # released with the close, as dropping it would
+    assert not it._stage.counting
+    with pytest.raises(StopIteration):
+        next(it)
+    assert dataset.calls == 300
+
+
+@pytest.mark.adaptive
+@pytest.mark.usefixtures("counted")
+def test_a_kept_next_ends_at_a_close_inside_a_counted_window() -> None:
+    # A loop that keeps the iterator's __next__ keeps the window with it: its next call
+    # ends, without a call of the dataset, and lets the source go.
+    dataset = _FailsAt(1000, set())
+    it = iter(DataLoaderX(dataset, batch_size=None))
+    take = it.__next__
+    assert [take() for _ in range(300)] == list(range(300))
+    assert it._stage.counting
+    source = weakref.ref(it._source)
+    it.close()
+    with pytest.raises(StopIteration):
+        take()
+    assert source() is None
+    assert dataset.calls == 300
+
+
+@pytest.mark.adaptive
+@pytest.mark.usefixtures("counted")
+def test_an_iterator_with_worker_processes_counts_no_window() -> None:
+    # Its workers shut down at a close even while a loop keeps its __next__ (see
+    # test_close_inside_a_counted_window_calls_the_source_no_more_and_releases_it).
+    loader = DataLoaderX(_FailsAt(400, set()), batch_size=None, num_workers=2)
+    it = iter(loader)
+    take = it.__next__
+    counting = []
+    for _ in range(400):
+        take()
+        counting.append(it._stage.counting)
+    assert not any(counting)
+    workers = weakref.ref(it._source)
+    it.close()
+    assert workers() is None
+    assert loader.stats.batches == 400
+
+
+@pytest.mark.adaptive
+@pytest.mark.usefixtures("counted")
+def test_dropping_an_iterator_inside_a_counted_window_releases_its_source_at_once() -> None:
+    def dropped(kind: type[DataLoader[Any]]) -> bool:
+        it = iter(kind(_FailsAt(1000, set()), batch_size=None))
+        for _ in range(300):
+            next(it)
+        source = weakref.ref(it._source if isinstance(it, PrefetchIterator) else it)
+        del it
+        return source() is None  # no gc pass: by reference counts alone
+
+    assert dropped(DataLoader)
+    assert dropped(DataLoaderX)
+
+
+@pytest.mark.adaptive
+@pytest.mark.usefixtures("counted")
+def test_an_interrupt_at_a_windows_end_is_raised_and_the_epoch_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from prefetchx._thread_stage import ThreadStage
+
+    settle = ThreadStage._settle
+    interrupts = 0
+
+    def interrupted(self: ThreadStage[Any]) -> bool:
+        nonlocal interrupts
+        going_on = settle(self)
+        if interrupts == 0:
+            interrupts += 1
+            raise KeyboardInterrupt  # Ctrl-C as the window ends
+        return going_on
+
+    monkeypatch.setattr(ThreadStage, "_settle", interrupted)
+    loader = DataLoaderX(_FailsAt(1000, set()), batch_size=None)
+    it = iter(loader)
+    got: list[int] = []
+    with pytest.raises(KeyboardInterrupt):
+        got.extend(it)
+    assert interrupts == 1
+    got.extend(it)  # the loop goes on after it, as after any exception
+    assert got == list(range(1000))
+    assert loader.stats.batches == 1000

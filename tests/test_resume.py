@@ -182,7 +182,7 @@ def test_state_inside_a_loop_too_fast_to_time_each_batch(
     loader = make(DataLoaderX)
     it = iter(loader)
     got = [next(it).tolist() for _ in range(consumed)]
-    while not it._stage._coarse:  # between two windows of counted batches: into the next
+    while not it._stage.counting:  # between two windows of counted batches: into the next
         got.append(next(it).tolist())
     state = loader.state_dict()
     resumed = make(DataLoaderX)

@@ -1114,7 +1114,8 @@ def _fast_loop(
     max_prefetch: int = 2,
     **kw: Any,
 ) -> tuple[ThreadStage[int], list[Any], _Clock]:
-    """A loop over a `_Timed` source on a `_Clock`; ``timed_only`` times every batch."""
+    """A loop over a `_Timed` source on a `_Clock`, through the stage's outlet as
+    `PrefetchIterator` iterates it; ``timed_only`` times every batch."""
     clock = _Clock()
     monkeypatch.setattr("prefetchx._thread_stage.perf_counter", clock)
     if timed_only:
@@ -1128,7 +1129,7 @@ def _fast_loop(
         clock.now += step(i)
         i += 1
 
-    got = outcomes(stage, between=between)
+    got = outcomes(stage.outlet(), between=between)
     return stage, got, clock
 
 
@@ -1238,25 +1239,27 @@ def test_counts_of_counted_batches_are_exact_at_any_batch(
     clock = _Clock()
     monkeypatch.setattr("prefetchx._thread_stage.perf_counter", clock)
 
-    def run() -> ThreadStage[int]:
+    def run() -> tuple[ThreadStage[int], Iterator[int]]:
         stage = ThreadStage(_Timed(clock, 2000, lambda i: 1e-6), max_prefetch=2)
+        outlet = stage.outlet()
         for i in range(taken):
-            assert next(stage) == i
+            assert next(outlet) == i
             clock.now += 1e-6
         assert (stage.tally.count, stage.stats.batches, stage.stats.wait.count) == (taken,) * 3
-        return stage
+        return stage, outlet
 
-    coarse = run()
-    assert coarse._coarse  # inside a window of counted batches
+    coarse, coarse_outlet = run()
+    assert coarse.counting  # inside a window of counted batches
     monkeypatch.setattr("prefetchx._thread_stage.COARSE_BELOW_S", 0.0)
-    timed = run()
+    timed, timed_outlet = run()
+    assert not timed.counting
     clock.now += 60.0  # the loop left the epoch a while ago
     coarse.close()
     timed.close()
     # The counted ones are filed at the close, as the same steps, without the time since.
     assert (coarse.stats.step.count, timed.stats.step.count) == (taken - 1, taken - 1)
     assert coarse.stats.step.total == pytest.approx(timed.stats.step.total)
-    assert list(coarse) == list(timed) == []
+    assert list(coarse_outlet) == list(timed_outlet) == []
 
 
 class _Callers:
