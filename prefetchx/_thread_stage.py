@@ -731,8 +731,9 @@ class ThreadStage(Iterator[T], Generic[T]):
 
     def _settle(self) -> bool:
         """A counted window has ended, in the loop's call after its last: with the window
-        full, or with the source's `StopIteration` (the loop asked for no call past the
-        source's, so the counter of its calls shows one left). File its batches in the meter:
+        full, or with the source's `StopIteration` (then the loop's call was the source's
+        last, so the counter of the loop's calls has one more left than that of the source's;
+        a full window's call past it took the last of both). File its batches in the meter:
         each with the timed batch's wait, their steps each an equal share of what is left of
         the window's time; then decide the next window, or end.
 
