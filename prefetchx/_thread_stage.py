@@ -745,17 +745,16 @@ class ThreadStage(Iterator[T], Generic[T]):
             counters = self._counters
             if counters is None:
                 return False  # closed
-            asked, calls_left, items_left, size = counters
+            asked, calls_left, _, size = counters
             left = length_hint(calls_left)
             ended = length_hint(asked) > left
             calls = size - left
-            outcomes = calls - 1 if ended else calls
             # The window's time: a wait for each call; a step before each call, and before
             # this call where it is the one after a full window.
             steps = calls if ended else calls + 1
             busy = now - self._coarse_from - calls * self._estimate
             step = max(0.0, busy / max(1, steps))
-            self._file(calls, outcomes, size - length_hint(items_left), step)
+            self._file(counters, step, ended)
             self._counters = None
             self.stats.wait.refresh = self.stats.step.refresh = None
         self._step_estimate = step
@@ -773,21 +772,22 @@ class ThreadStage(Iterator[T], Generic[T]):
         as an error until it returns its batch. Each step is the last window's mean."""
         with self._sync_lock:
             counters = self._counters
-            if counters is None:
-                return
-            _, calls_left, items_left, size = counters
-            calls = size - length_hint(calls_left)
-            self._file(calls, calls, size - length_hint(items_left), self._step_estimate)
+            if counters is not None:
+                self._file(counters, self._step_estimate)
 
-    def _file(self, calls: int, outcomes: int, batches: int, step: float) -> None:
-        """File in the meter a counted window's ``calls`` calls of the source so far (each
-        after a ``step``), ``outcomes`` outcomes handed over (each with the timed batch's
-        wait), ``batches`` of them batches; less what it has filed of the window already."""
+    def _file(self, counters: _Counters, step: float, ended: bool = False) -> None:
+        """File in the meter what a counted window's ``counters`` counted so far, less what
+        it has filed of the window already: each call of the source after a ``step``; each
+        outcome handed over (every call but the one that ``ended`` the source) with the
+        timed batch's wait; the outcomes that were no batch as errors."""
+        _, calls_left, items_left, size = counters
+        calls = size - length_hint(calls_left)
+        outcomes = calls - 1 if ended else calls
+        errors = outcomes - (size - length_hint(items_left))
         filed_calls, filed_outcomes, filed_errors = self._filed
         stats = self.stats
         stats.wait.pending.extend([self._estimate] * (outcomes - filed_outcomes))
         stats.step.pending.extend([step] * (calls - filed_calls))
-        errors = outcomes - batches
         stats.add_errors(errors - filed_errors)
         self._filed = (calls, outcomes, errors)
 
