@@ -53,12 +53,17 @@ loop, where the step leaves the caches cold, and 0.3 us in a loop of no work). T
 times one batch in each window of `coarse_window` batches and counts the others, with no
 Python run per counted batch (see `ThreadStage.outlet`)."""
 
-COARSE_SPAN_S = 5e-3
-"""A counted window lasts about this long: a change in the loop is seen within it, and its one
-timed batch and its end cost each of its batches next to nothing."""
+COARSE_SPAN_S = 20e-3
+"""A counted window lasts about this long. Its end costs the loop about 100 us on the 2-core VM,
+however little Python it runs: a window of batches leaves the caches cold for the stage's code
+and state (5 ms windows cost a loop of no work 2%, measured with ``benchmarks/no_work.py``). A
+change in the loop is seen at the window's end, and that bounds what seeing it late can cost:
+the window holds this long's worth of batches at the pace before the change, and a thread
+could hide at most the batches' data work, which is part of that pace, so a loop whose data
+work stays the same loses at most this long to a thread started late."""
 
-COARSE_WINDOW = 16 * WINDOW
-"""Batches in a counted window at most (a loop of no work takes about 1.5 ms for them)."""
+COARSE_WINDOW = 256 * WINDOW
+"""Batches in a counted window at most (a loop of no work takes about 150 ms for them)."""
 
 
 def coarse_window(period: float) -> int:
@@ -547,7 +552,7 @@ class ThreadStage(Iterator[T], Generic[T]):
     it. In a loop that makes its own items at under 200 us an item, two clock reads an item
     would cost it 1% to 3%: there, for a loop that iterates `outlet` (a DataLoaderX's iterator
     does), once no look at the thread is due, the meter times the first item of each window of
-    about 5 ms (each window of 256 items at most) and counts the others, with no Python run for
+    about 20 ms (each window of 4096 items at most) and counts the others, with no Python run for
     them. Each counted item gets the timed one's wait, and their steps share what is left of the
     window's time; counts stay exact. ``next()`` on the stage itself times every item.
 

@@ -1190,26 +1190,36 @@ def test_errors_in_a_loop_too_fast_to_time_are_outcomes_as_from_the_source(
 
 
 @pytest.mark.adaptive
-def test_a_loop_that_slows_down_is_timed_batch_by_batch_again(
+def test_a_loop_that_slows_down_is_timed_batch_by_batch_again_within_a_window_of_data_work(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def step(i: int) -> float:
-        return 1e-6 if i < 1500 else 300e-6
-
-    stage, got, clock = _fast_loop(monkeypatch, 2000, lambda i: 1e-6, step)
-    assert [value for value, _ in got] == list(range(2000))
-    # Within a window of counted batches (at most 256 of them), every batch timed again.
-    assert clock.reads > 2 * 200
+    # 5 us of data and a 1 us step, then a 300 us step: the change is seen at the end of the
+    # counted window it falls in. That window holds COARSE_SPAN_S of batches at the old pace,
+    # so the data work a thread could have hidden meanwhile is at most COARSE_SPAN_S.
+    n, change, data = 8000, 4000, 5e-6
+    clock = _Clock()
+    monkeypatch.setattr("prefetchx._thread_stage.perf_counter", clock)
+    stage = ThreadStage(_Timed(clock, n, lambda i: data), max_prefetch=2)
+    counting = []
+    for i, value in enumerate(stage.outlet()):
+        assert value == i
+        counting.append(stage.counting)
+        clock.now += 1e-6 if i < change else 300e-6
+    assert len(counting) == n
+    late = [i for i in range(change, n) if counting[i]]
+    assert late  # the change fell inside a counted window
+    assert len(late) * data <= COARSE_SPAN_S
+    assert not any(counting[late[-1] + 1 :])  # every batch timed again after its end
     assert stage.stats.step.last(200) == [pytest.approx(300e-6)] * 200
-    assert stage.stats.step.count == 2000
+    assert stage.stats.step.count == n
 
 
 @pytest.mark.parametrize(
     ("period", "batches"),
-    [(0.0, COARSE_WINDOW), (5e-6, COARSE_WINDOW), (50e-6, 100), (199e-6, 25), (1e-3, WINDOW)],
+    [(0.0, COARSE_WINDOW), (4e-6, COARSE_WINDOW), (50e-6, 400), (199e-6, 100), (2e-3, WINDOW)],
 )
-def test_a_counted_window_lasts_about_5_ms(period: float, batches: int) -> None:
-    assert COARSE_SPAN_S == 5e-3
+def test_a_counted_window_lasts_about_20_ms(period: float, batches: int) -> None:
+    assert (COARSE_SPAN_S, COARSE_WINDOW) == (20e-3, 4096)
     assert coarse_window(period) == batches
 
 
@@ -1218,13 +1228,13 @@ def test_a_loop_under_200_us_a_batch_is_counted_with_exact_totals(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # 50 us a batch: timing each batch would cost the loop a few percent, so one in each window
-    # of 5 ms is timed; the totals stay those of the loop.
+    # of 20 ms is timed; the totals stay those of the loop.
     n = 3000
     stage, got, clock = _fast_loop(monkeypatch, n, lambda i: 5e-6, lambda i: 45e-6)
     assert [value for value, _ in got] == list(range(n))
     assert stage.thread is None  # 5 us of data: nothing for a thread to hide
     assert clock.reads < n // 8
-    assert stage._coarse_length == 100
+    assert stage._coarse_length == 400
     stats = stage.stats
     assert (stats.batches, stats.wait.count, stats.step.count) == (n, n, n)
     assert stats.wait.total == pytest.approx(n * 5e-6)
