@@ -11,6 +11,8 @@ layer, and holds it against hand-offs that do less:
   (``max_prefetch=0``), iterated through its ``outlet`` as DataLoaderX's iterator does: the
   stall meter's bookkeeping, in counted windows;
 * ``prefetchx``: DataLoaderX, the loop's own iterator;
+* ``windows_5ms``: DataLoaderX with the counted windows it had before 2e6fad5, of 5 ms and 256
+  batches at most rather than 20 ms and 4096: what a window's end costs, 4 times as often;
 * ``generator``: a Python generator that yields the DataLoader iterator's batches;
 * ``wrapper``: a class whose ``__next__`` calls the DataLoader iterator and appends one float to
   a list, the least a hand-off in Python that counts its batches can do;
@@ -45,7 +47,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from prefetchx import DataLoaderX, ThreadStage
+from prefetchx import DataLoaderX, ThreadStage, _thread_stage
 from prefetchx.bench.paired import MIN_ROUNDS, Spread, ratios, run_rounds
 from prefetchx.bench.synthetic import Work, WorkDataset, machine_meta
 
@@ -55,6 +57,8 @@ ARMS = {
     "stage": "ThreadStage(max_prefetch=0)'s outlet over a DataLoader iterator: the meter, "
     "no thread",
     "prefetchx": "DataLoaderX",
+    "windows_5ms": "DataLoaderX with counted windows of 5 ms (256 batches at most), as before "
+    "2e6fad5",
     "generator": "floor: a Python generator over the DataLoader iterator",
     "wrapper": "floor: a class whose __next__ calls the DataLoader iterator and appends a float",
     "c_level": "floor: an itertools.chain subclass over islice windows (no Python per batch)",
@@ -117,6 +121,20 @@ def _timed(make: Callable[[], Iterable[Any]]) -> Callable[[], float]:
     return run
 
 
+def _with_windows(span: float, most: int, run: Callable[[], float]) -> Callable[[], float]:
+    """``run`` with counted windows of ``span`` seconds and ``most`` batches at most."""
+
+    def windowed() -> float:
+        saved = _thread_stage.COARSE_SPAN_S, _thread_stage.COARSE_WINDOW
+        _thread_stage.COARSE_SPAN_S, _thread_stage.COARSE_WINDOW = span, most
+        try:
+            return run()
+        finally:
+            _thread_stage.COARSE_SPAN_S, _thread_stage.COARSE_WINDOW = saved
+
+    return windowed
+
+
 def _bare_source(loader: DataLoaderX[Any]) -> Callable[[], Iterable[Any]]:
     def make() -> Iterable[Any]:
         source = iter(loader)._source  # its stages never start: dropping it stops nothing
@@ -138,6 +156,7 @@ def arms(batches: int) -> dict[str, Callable[[], float]]:
         "source": _timed(_bare_source(ours)),
         "stage": _timed(lambda: ThreadStage(iter(plain), max_prefetch=0).outlet()),
         "prefetchx": _timed(lambda: iter(ours)),
+        "windows_5ms": _with_windows(5e-3, 256, _timed(lambda: iter(ours))),
         "generator": _timed(lambda: _generator(iter(plain))),
         "wrapper": _timed(lambda: _Wrapper(iter(plain))),
         "c_level": _timed(lambda: _c_level(iter(plain), batches)),
@@ -166,14 +185,16 @@ def _spread(figures: dict[str, Any]) -> Spread:
 
 
 def conclude(figures: dict[str, Any], quick: bool) -> str:
-    """One sentence: DataLoaderX's cost, how much of it the stage is, and the floors."""
+    """One sentence: DataLoaderX's cost, how much of it the stage is, what 5 ms windows
+    cost, and the floors."""
     where = "On this machine (a --quick run: too short to quote)" if quick else "On this machine"
-    ours, stage = figures["prefetchx"], figures["stage"]
+    ours, stage, old = figures["prefetchx"], figures["stage"], figures["windows_5ms"]
     floors = ", ".join(f"{name} {_spread(figures[name]).median:.3f}x" for name in FLOORS)
     return (
         f"{where}, DataLoaderX runs the no-work loop at {_spread(ours).median:.3f}x plain, "
         f"{ours['above_plain_us']:.2f} us a batch above it, of which the thread stage alone is "
-        f"{stage['above_plain_us']:.2f} us; the floors run at {floors}."
+        f"{stage['above_plain_us']:.2f} us (with 5 ms windows, {_spread(old).median:.3f}x and "
+        f"{old['above_plain_us']:.2f} us); the floors run at {floors}."
     )
 
 
@@ -186,12 +207,12 @@ def render(meta: dict[str, Any], figures: dict[str, Any], conclusion: str) -> st
         f"No-work loop: {meta['batches']} batches an epoch, {meta['rounds']} paired rounds, "
         "arms interleaved in one process",
         "",
-        f"{'arm':<11}{'us/batch':>10}{'above plain':>13}  vs plain",
+        f"{'arm':<13}{'us/batch':>10}{'above plain':>13}  vs plain",
     ]
     for name in ARMS:
         f = figures[name]
         lines.append(
-            f"{name:<11}{f['us_per_batch']:>10.2f}{f['above_plain_us']:>13.2f}  "
+            f"{name:<13}{f['us_per_batch']:>10.2f}{f['above_plain_us']:>13.2f}  "
             f"{_spread(f).median:.3f}x ({_spread(f).low:.3f}-{_spread(f).high:.3f})"
         )
     lines += ["", "Columns:"]
