@@ -56,11 +56,12 @@ Python run per counted batch (see `ThreadStage.outlet`)."""
 COARSE_SPAN_S = 20e-3
 """A counted window lasts about this long. Its end costs the loop about 100 us on the 2-core VM,
 however little Python it runs: a window of batches leaves the caches cold for the stage's code
-and state (5 ms windows cost a loop of no work 2%, measured with ``benchmarks/no_work.py``). A
-change in the loop is seen at the window's end, and that bounds what seeing it late can cost:
-the window holds this long's worth of batches at the pace before the change, and a thread
-could hide at most the batches' data work, which is part of that pace, so a loop whose data
-work stays the same loses at most this long to a thread started late."""
+and state (windows of 5 ms cost a loop of no work 1.5% to 2% more than windows of 20 ms,
+measured with ``benchmarks/no_work.py``). A change in the loop is seen at the window's end, and
+that bounds what seeing it late can cost: the window holds this long's worth of batches at the
+pace before the change, and a thread could hide at most the batches' data work, which is part
+of that pace, so a loop whose data work stays the same loses at most this long to a thread
+started late."""
 
 COARSE_WINDOW = 256 * WINDOW
 """Batches in a counted window at most (a loop of no work takes about 150 ms for them)."""
