@@ -185,6 +185,8 @@ class DataLoaderX(DataLoader[T_co]):
         snapshots = self._dataset_snapshots()  # before DataLoader calls iter(dataset)
         with _handing(self, recorder), building:
             source = super()._get_iterator()
+        if recorder is not None:
+            recorder.serve(source)
         epoch.snapshots = feed = snapshots.over(source) if snapshots is not None else None
         iterator: PrefetchIterator[Any] = PrefetchIterator(
             source,

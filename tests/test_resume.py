@@ -13,7 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    RandomSampler,
+)
 
 from prefetchx import DataLoaderX
 from tests.helpers import (
@@ -866,3 +872,43 @@ def test_a_dataset_state_for_a_dataset_without_one_is_refused() -> None:
     state = loader.state_dict()
     with pytest.raises(ValueError, match=r"holds the dataset's own state, but this dataset"):
         DataLoaderX(Stream(6), batch_size=2).load_state_dict(state)
+
+
+class _OwnIterators(torch.utils.data.Sampler[int]):
+    """A sampler that keeps each iterator it hands out."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.handed: list[Iterator[int]] = []
+
+    def __iter__(self) -> Iterator[int]:
+        self.handed.append(iter(range(self.n)))
+        return self.handed[-1]
+
+    def __len__(self) -> int:
+        return self.n
+
+
+@pytest.mark.parametrize("batch_size", [None, 2])
+def test_the_dataloader_iterator_draws_from_the_samplers_own_iterator_as_dataloaders(
+    batch_size: int | None,
+) -> None:
+    # Once the epoch's position is noted, DataLoaderX's sampler hook steps aside: the
+    # DataLoader iterator calls the sampler's iterator itself, as DataLoader's does, so that a
+    # draw costs the loop nothing more.
+    epochs = []
+    for loader_class in (DataLoader, DataLoaderX):
+        sampler = _OwnIterators(12)
+        if batch_size is None:
+            loader = loader_class(range(12), sampler=sampler, batch_size=None)
+        else:
+            loader = loader_class(range(12), sampler=sampler, batch_size=batch_size)
+        it = iter(loader)
+        first = [torch.as_tensor(next(it)).tolist() for _ in range(3)]
+        drawing = it._sampler_iter
+        if batch_size is None:
+            assert drawing is sampler.handed[-1], loader_class
+        else:  # torch's BatchSampler's own generator
+            assert drawing.gi_code is BatchSampler.__iter__.__code__, loader_class
+        epochs.append(first + [torch.as_tensor(b).tolist() for b in it])
+    assert epochs[0] == epochs[1]
