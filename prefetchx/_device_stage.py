@@ -126,9 +126,10 @@ class DeviceStage(Iterator[Any]):
     def __iter__(self) -> DeviceStage:
         return self
 
-    def outlet(self) -> Iterator[Any]:
-        """The stage's outcomes for the loop: this stage itself, which times every batch."""
-        return self
+    def parts(self) -> Iterator[Iterator[Any]]:
+        """The stage's outcomes for a loop's iterator that chains parts (see
+        `ThreadStage.parts`): this stage itself, which times every batch, as the one part."""
+        return iter((self,))
 
     def __next__(self) -> Any:
         asked_at = time.perf_counter()

@@ -31,9 +31,9 @@ Lifecycle of one iterator:
 
 from __future__ import annotations
 
-import operator
+import itertools
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
@@ -60,22 +60,25 @@ class Epoch:
         """An IterableDataset's own states after each batch, where they can be known."""
 
 
-class _StagesNext(property):
-    """``PrefetchIterator.__next__``: read from an iterator, its stage's own ``__next__``, bound,
-    so ``next()`` calls that with no frame of the iterator's in between (a loop with no work
-    pays 1% for one); read from the class, a function of the iterator, as a method would be."""
-
-    def __call__(self, iterator: PrefetchIterator[Any]) -> Any:
-        return iterator._next()
-
-
 class PrefetchIterator(Iterator[T], Generic[T]):
     """The iterator `iter()` returns for a `DataLoaderX` or a `Prefetcher`.
 
     It behaves as the DataLoader iterator it wraps (``next()``, ``len()``, not picklable), with
     the prefetch stages behind ``next()``. ``close()`` and ``with`` stop its thread; see the
     module docstring for its whole lifecycle.
+
+    Over anything but DataLoader's worker processes, the iterator is a `_Chained`, whose
+    ``next()`` runs no Python of its own; over workers (the only iterators DataLoader resets),
+    ``next()`` is a method, which costs nothing next to a batch from a worker.
     """
+
+    def __new__(cls, source: Iterator[T], *args: Any, **kwargs: Any) -> PrefetchIterator[T]:
+        if cls is PrefetchIterator and not isinstance(source, _MultiProcessingDataLoaderIter):
+            parts = _Parts()
+            chained = cast(_Chained[T], _Chained.from_iterable(parts))  # typeshed: a chain
+            chained._parts = parts
+            return chained  # initialized by __init__, as an instance of the class called
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -119,21 +122,18 @@ class PrefetchIterator(Iterator[T], Generic[T]):
         stage = self._pipeline.build(feed, epoch.stats, reapable=reapable, limit=length)
         epoch.tally = stage.tally
         self._stage: Stage = stage
-        # The outlet's counted windows hold the source between calls; not the iterator of
-        # DataLoader's worker processes, which a close must release at once, even while a
-        # loop keeps this iterator's ``__next__``. Its batches cost far more than the meter.
-        workers = isinstance(self._source, _MultiProcessingDataLoaderIter)
-        self._next: Callable[[], T] = (stage if workers else stage.outlet()).__next__
+        self._connect(stage)
+
+    def _connect(self, stage: Stage) -> None:
+        """Hand out the outcomes of ``stage``, the epoch's: its ``next()``, which times every
+        batch. A batch from DataLoader's workers costs far more than that."""
+        self._next: Callable[[], T] = stage.__next__
 
     def __iter__(self) -> PrefetchIterator[T]:
         return self
 
-    if TYPE_CHECKING:
-
-        def __next__(self) -> T: ...
-
-    else:
-        __next__ = _StagesNext(operator.attrgetter("_next"))
+    def __next__(self) -> T:
+        return self._next()
 
     def __len__(self) -> int:
         source = self._source
@@ -184,10 +184,7 @@ class PrefetchIterator(Iterator[T], Generic[T]):
         Idempotent; ``next()`` raises `StopIteration` afterwards. The DataLoader iterator is
         released, so its workers shut down, unless the loader keeps it for persistent workers.
         """
-        stage = self._stage
-        stage.close()
-        # The outlet's counted window holds the source: let it go with the stage's.
-        self._next = stage.__next__
+        self._stage.close()
         if not self._keep_source and self._source is not None:
             try:
                 self._length = len(self._source)  # type: ignore[arg-type]
@@ -243,6 +240,49 @@ class PrefetchIterator(Iterator[T], Generic[T]):
     def __getstate__(self) -> Any:
         # As DataLoader's own iterators: an iterator with a thread and workers cannot be pickled.
         raise NotImplementedError("{} cannot be pickled", type(self).__name__)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Not `itertools.chain`'s (a `_Chained`), which would copy the iterator's parts.
+        return self.__getstate__()
+
+
+class _Parts:
+    """Where a `_Chained` iterator takes its parts from: its stage's, once it has one."""
+
+    __slots__ = ("stage_parts",)
+
+    def __init__(self) -> None:
+        self.stage_parts: Iterator[Iterator[Any]] | None = None
+
+    def __iter__(self) -> _Parts:
+        return self
+
+    def __next__(self) -> Iterator[Any]:
+        parts = self.stage_parts
+        if parts is None:
+            raise StopIteration
+        return next(parts)
+
+
+class _Chained(itertools.chain, PrefetchIterator[T]):  # type: ignore[type-arg]  # chain's own
+    """A `PrefetchIterator` whose ``next()`` is `itertools.chain`'s, over its stage's parts
+    (`ThreadStage.parts`): the stage itself, which times each batch, and the counted windows
+    of a loop too fast to time each batch, which run no Python of prefetchx's between the loop
+    and the source. Even a C-level hop a batch from the iterator to a chain it held cost the
+    no-work loop about 0.4 us of 38 (1%, on the 2-core VM with ``benchmarks/no_work.py``).
+
+    A window lets go of the source once it is run through, and `close` runs it through (see
+    `ThreadStage._open`), so a close releases the source at once, also inside a window, and
+    also while a loop keeps the iterator's ``__next__``. DataLoader never resets one: it
+    resets only its worker processes' iterators.
+    """
+
+    _parts: _Parts
+
+    def _connect(self, stage: Stage) -> None:
+        if self._parts.stage_parts is not None:
+            raise RuntimeError("prefetchx: this iterator cannot be reset")
+        self._parts.stage_parts = stage.parts()
 
 
 def ends_with_last(loader: Any) -> bool:

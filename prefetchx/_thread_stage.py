@@ -78,12 +78,13 @@ def coarse_window(period: float) -> int:
 _SPECIAL = (Signal, Failure, Warned)
 """Queue values that are not plain items."""
 
-_Counters = tuple[Iterator[int], Iterator[int], Iterator[int], int]
+_Counters = tuple[Iterator[int], Iterator[Any], Iterator[int], int]
 """A counted window's counters (see `ThreadStage._open`): of the loop's calls, of the source's
-calls, of the source's items; and the window's size."""
+calls (an iterator over a list of the source, repeated), of the source's items; and the
+window's size."""
 
-_ITEM = itemgetter(2)
-"""A counted window's item: the source's, after the two counters zipped before it."""
+_ITEM = itemgetter(1)
+"""A counted window's item: the source's, after the counter zipped before it."""
 
 
 class _Raise:
@@ -692,8 +693,13 @@ class ThreadStage(Iterator[T], Generic[T]):
         as it leaves the stage, and `close` ends the window before its next call of the
         source.
         """
+        return itertools.chain.from_iterable(self.parts())
+
+    def parts(self) -> Iterator[Iterator[T]]:
+        """The parts of `outlet`, in turn, for a chain of the caller's own (a loop's iterator
+        that is an `itertools.chain`, as a DataLoaderX's is without workers)."""
         self._express = True
-        return itertools.chain.from_iterable(self._segments())
+        return self._segments()
 
     def _segments(self) -> Iterator[Iterator[T]]:
         """The parts of `outlet`, in turn."""
@@ -719,21 +725,26 @@ class ThreadStage(Iterator[T], Generic[T]):
                 yield _Raise(exc)
 
     def _open(self) -> Iterator[T] | None:
-        """The counted window due: the source's next `_due` calls, zipped after a counter of
-        the loop's calls (one more than the window's, so that the call past the window shows)
-        and one of the source's calls, and before one of its items, which a call that raises
+        """The counted window due: the source's next `_due` calls, ``next()`` of each item of
+        an iterator over a list of the source `_due` times, which counts them, zipped after a
+        counter of the loop's calls (one more than the window's, so that the call past the
+        window shows) and before a counter of the source's items, which a call that raises
         does not reach. What they counted (`operator.length_hint`) tells, exactly and at any
-        time, the calls made, the batches and the errors, and whether the source has ended."""
-        source = self._source
-        if source is None:
-            return None
-        size, self._due = self._due, 0
-        asked, calls, items = iter(range(size + 1)), iter(range(size)), iter(range(size))
-        with self._sync_lock:
+        time, the calls made, the batches and the errors, and whether the source has ended.
+
+        The list's iterator lets go of the list once it is through, so a window that `close`
+        runs through holds the source no more; a call in progress holds it until it returns.
+        """
+        with self._sync_lock:  # `close`, from another thread, ends this window or none
+            source = self._source
+            if source is None:
+                return None
+            size, self._due = self._due, 0
+            asked, calls, items = iter(range(size + 1)), iter([source] * size), iter(range(size))
             self._filed = (0, 0, 0)
             self._counters = (asked, calls, items, size)
             self.stats.wait.refresh = self.stats.step.refresh = self._refresh
-        return map(_ITEM, zip(asked, calls, source, items, strict=False))
+        return map(_ITEM, zip(asked, map(next, calls), items, strict=False))
 
     def _settle(self) -> bool:
         """A counted window has ended, in the loop's call after its last: with the window
@@ -1081,20 +1092,21 @@ class ThreadStage(Iterator[T], Generic[T]):
         """
         if self._finalizer is not None:
             self._finalizer.detach()
-        counters = self._counters
-        if counters is not None:  # in a counted window: file what the loop took, and end it
-            self._sync()
-            with self._sync_lock:
+        with self._sync_lock:  # no window opens after this (`_open`)
+            source, self._source = self._source, None
+            counters = self._counters
+            if counters is not None:  # in a counted window: file what the loop took, end it
+                self._file(counters, self._step_estimate)
                 self._counters = None
                 self.stats.wait.refresh = self.stats.step.refresh = None
-            collections.deque(counters[1], maxlen=0)  # its next call ends it: no source call
+                collections.deque(counters[1], maxlen=0)  # its next call ends: no source call
         self._due = 0
         self._sampling = False
         producer = self._producer
         if producer is not None:
             producer.stop()
             producer.join_stopped()  # and has it reaped if it is stuck in an abandoned source
-        self._source = None
+        del source  # the thread has let go of it too, unless stuck in it
         self._inline = True  # nothing left to take from the thread
         self._to_start = False
 

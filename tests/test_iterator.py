@@ -739,6 +739,49 @@ def test_a_kept_next_ends_at_a_close_inside_a_counted_window() -> None:
     assert dataset.calls == 300
 
 
+class _HoldsAt(_FailsAt):
+    """A dataset whose item ``at`` waits, inside the loop's call, until ``release`` is set."""
+
+    def __init__(self, n: int, at: int) -> None:
+        super().__init__(n, set())
+        self.at = at
+        self.inside = threading.Event()
+        self.release = threading.Event()
+
+    def __getitem__(self, i: int) -> int:
+        if i == self.at:
+            self.inside.set()
+            assert self.release.wait(10)
+        return super().__getitem__(i)
+
+
+@pytest.mark.adaptive
+@pytest.mark.usefixtures("counted")
+def test_a_close_from_another_thread_inside_a_counted_window_lets_the_call_finish() -> None:
+    # The loop's thread is inside the dataset, in a counted window, when another thread closes
+    # the iterator: that call returns its batch to the loop, the source goes once it has, and
+    # the next call ends the epoch without another call of the dataset.
+    dataset = _HoldsAt(1000, 300)
+    it = iter(DataLoaderX(dataset, batch_size=None))
+    assert [next(it) for _ in range(300)] == list(range(300))
+    assert it._stage.counting
+    source = weakref.ref(it._source)
+    got: list[Any] = []
+    loop = threading.Thread(target=lambda: got.extend(it))
+    loop.start()
+    assert dataset.inside.wait(10)
+    it.close()
+    assert source() is not None  # the call in progress holds it
+    dataset.release.set()
+    loop.join(10)
+    assert not loop.is_alive()
+    assert got == [300]
+    assert source() is None
+    assert dataset.calls == 301
+    with pytest.raises(StopIteration):
+        next(it)
+
+
 @pytest.mark.adaptive
 @pytest.mark.usefixtures("counted")
 def test_an_iterator_with_worker_processes_counts_no_window() -> None:

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -742,12 +742,17 @@ def test_a_loader_copies_and_pickles_as_dataloader_after_an_epoch(
     assert ours[0] == [[[0, 0], [1, 1]], [[2, 4], [3, 9]], [[4, 16], [5, 25]]]
 
 
-def test_an_iterator_cannot_be_pickled_as_dataloaders() -> None:
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("action", [pickle.dumps, copy.copy, copy.deepcopy])
+def test_an_iterator_cannot_be_pickled_or_copied_as_dataloaders(
+    action: Callable[[Any], Any], num_workers: int
+) -> None:
     for cls in (DataLoader, DataLoaderX):
-        it = iter(cls(Squares(4), batch_size=2))
+        it = iter(cls(Squares(4), batch_size=2, num_workers=num_workers))
         next(it)
-        with pytest.raises(NotImplementedError):
-            pickle.dumps(it)
+        with pytest.raises(NotImplementedError, match="cannot be pickled"):
+            action(it)
+        del it
 
 
 # --- the caller's torch settings are left alone (FIELD pitfall 18) ----------------------------
