@@ -725,15 +725,17 @@ class ThreadStage(Iterator[T], Generic[T]):
                 yield _Raise(exc)
 
     def _open(self) -> Iterator[T] | None:
-        """The counted window due: the source's next `_due` calls, ``next()`` of each item of
-        an iterator over a list of the source `_due` times, which counts them, zipped after a
-        counter of the loop's calls (one more than the window's, so that the call past the
-        window shows) and before a counter of the source's items, which a call that raises
-        does not reach. What they counted (`operator.length_hint`) tells, exactly and at any
-        time, the calls made, the batches and the errors, and whether the source has ended.
+        """The counted window due: the source's next `_due` calls, its type's ``__next__``
+        mapped over an iterator over a list of the source `_due` times, which counts them,
+        zipped after a counter of the loop's calls (one more than the window's, so that the call
+        past the window shows) and before a counter of the source's items, which a call that
+        raises does not reach. What they counted (`operator.length_hint`) tells, exactly and at
+        any time, the calls made, the batches and the errors, and whether the source has ended.
 
         The list's iterator lets go of the list once it is through, so a window that `close`
         runs through holds the source no more; a call in progress holds it until it returns.
+        The type's ``__next__`` is what ``next()`` calls, minus two hops: 0.3 us a batch of the
+        no-work loop on the 2-core VM.
         """
         with self._sync_lock:  # `close`, from another thread, ends this window or none
             source = self._source
@@ -744,7 +746,7 @@ class ThreadStage(Iterator[T], Generic[T]):
             self._filed = (0, 0, 0)
             self._counters = (asked, calls, items, size)
             self.stats.wait.refresh = self.stats.step.refresh = self._refresh
-        return map(_ITEM, zip(asked, map(next, calls), items, strict=False))
+        return map(_ITEM, zip(asked, map(type(source).__next__, calls), items, strict=False))
 
     def _settle(self) -> bool:
         """A counted window has ended, in the loop's call after its last: with the window

@@ -1241,6 +1241,36 @@ def test_a_loop_under_200_us_a_batch_is_counted_with_exact_totals(
     assert stats.step.total == pytest.approx(n * 45e-6)
 
 
+def _squares(n: int) -> Iterator[int]:
+    yield from (i * i for i in range(n))
+
+
+@pytest.mark.adaptive
+@pytest.mark.parametrize(
+    "make",
+    [lambda n: map(abs, range(-n + 1, 1)), _squares, lambda n: iter(list(range(n)))],
+    ids=["map", "generator", "list"],
+)
+def test_a_source_of_c_or_generator_code_ends_inside_a_counted_window_exactly(
+    monkeypatch: pytest.MonkeyPatch, make: Callable[[int], Iterator[int]]
+) -> None:
+    # A window calls the source's type's __next__ as next() would; a source with no len()
+    # ends inside a window, and the stage ends there, with every outcome and exact counts.
+    monkeypatch.setattr("prefetchx._thread_stage.COARSE_BELOW_S", 1.0)
+    monkeypatch.setattr("prefetchx._adapt.HIDE_AT_LEAST_S", 1.0)
+    n = 1000
+    stage = ThreadStage(make(n), max_prefetch=2)
+    counting = []
+    got = []
+    for value in stage.outlet():
+        got.append(value)
+        counting.append(stage.counting)
+    assert got == list(make(n))
+    assert sum(counting) > n // 2
+    assert (stage.stats.batches, stage.stats.errors, stage.tally.count) == (n, 0, n)
+    assert stage._source is None  # ended: released
+
+
 @pytest.mark.adaptive
 @pytest.mark.parametrize("taken", [600, 1000])
 def test_counts_of_counted_batches_are_exact_at_any_batch(
