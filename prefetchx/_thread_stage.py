@@ -552,11 +552,12 @@ class ThreadStage(Iterator[T], Generic[T]):
 
     The same clock reads feed the stall meter, ``stats``: each item's wait and the step before
     it. In a loop that makes its own items at under 200 us an item, two clock reads an item
-    would cost it 1% to 3%: there, for a loop that iterates `outlet` (a DataLoaderX's iterator
-    does), once no look at the thread is due, the meter times the first item of each window of
-    about 20 ms (each window of 4096 items at most) and counts the others, with no Python run for
-    them. Each counted item gets the timed one's wait, and their steps share what is left of the
-    window's time; counts stay exact. ``next()`` on the stage itself times every item.
+    would cost it 1% to 3%: there, for a loop that iterates `outlet` or a chain of `parts` (a
+    DataLoaderX's iterator is one), once no look at the thread is due, the meter times the first
+    item of each window of about 20 ms (each window of 4096 items at most) and counts the
+    others, with no Python run for them. Each counted item gets the timed one's wait, and their
+    steps share what is left of the window's time; counts stay exact. ``next()`` on the stage
+    itself times every item.
 
     Args:
         source: The iterator to run ahead. Create it on the calling thread.
@@ -684,7 +685,7 @@ class ThreadStage(Iterator[T], Generic[T]):
         Running Python for each counted batch costs a loop of no work 2% to 3% (measured on
         the 2-core VM with ``benchmarks/no_work.py``). The outlet is an `itertools.chain` of
         parts: this stage itself, whose ``next()`` times each batch, until a counted window is
-        due; then the window, a `zip` of two counters, the source and a third counter, which
+        due; then the window (see `_open`), a `zip` of counters and the source's calls, which
         hands over the source's batches and exceptions with no Python between the loop and
         the source; then this stage again. What the counters counted tells, exactly and at
         any time, the calls made, the batches and the errors, and whether the source has
