@@ -685,7 +685,7 @@ class ThreadStage(Iterator[T], Generic[T]):
         Running Python for each counted batch costs a loop of no work 2% to 3% (measured on
         the 2-core VM with ``benchmarks/no_work.py``). The outlet is an `itertools.chain` of
         parts: this stage itself, whose ``next()`` times each batch, until a counted window is
-        due; then the window (see `_open`), a `zip` of counters and the source's calls, which
+        due; then the window, a `zip` of counters and the source's calls, which
         hands over the source's batches and exceptions with no Python between the loop and
         the source; then this stage again. What the counters counted tells, exactly and at
         any time, the calls made, the batches and the errors, and whether the source has
