@@ -32,7 +32,7 @@ Lifecycle of one iterator:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, Generic, TypeVar, cast
 
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
@@ -125,15 +125,14 @@ class PrefetchIterator(Iterator[T], Generic[T]):
         self._connect(stage)
 
     def _connect(self, stage: Stage) -> None:
-        """Hand out the outcomes of ``stage``, the epoch's: its ``next()``, which times every
-        batch. A batch from DataLoader's workers costs far more than that."""
-        self._next: Callable[[], T] = stage.__next__
+        """Hand out the outcomes of ``stage``, the epoch's: here by ``next()`` on it (below),
+        which times every batch; a batch from DataLoader's workers costs far more than that."""
 
     def __iter__(self) -> PrefetchIterator[T]:
         return self
 
     def __next__(self) -> T:
-        return self._next()
+        return next(self._stage)  # type: ignore[no-any-return]  # an item of the source
 
     def __len__(self) -> int:
         source = self._source
