@@ -74,7 +74,7 @@ def check_device(device: str | torch.device | int | None) -> torch.device:
             f"`device` {device!r} is not available: the accelerator here is "
             f"{accelerator or 'none'}."
         )
-    count = torch.accelerator.device_count()
+    count = _accelerator_api().device_count()
     if dev.index is not None and dev.index >= count:
         raise ValueError(
             f"`device` {device!r} does not exist: this machine has {count} {dev.type} device(s)."
@@ -92,7 +92,12 @@ def with_index(device: torch.device) -> torch.device:
         return device
     if device.type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(device.type, torch.accelerator.current_device_index())
+    return torch.device(device.type, _accelerator_api().current_device_index())
+
+
+def _accelerator_api() -> Any:
+    """``torch.accelerator``, or ``None`` before torch 2.6, whose type stubs lack it too."""
+    return getattr(torch, "accelerator", None)
 
 
 def _accelerator_type() -> str | None:
@@ -102,7 +107,7 @@ def _accelerator_type() -> str | None:
     # fork-based launcher forks.
     if torch.cuda.is_available():
         return "cuda"
-    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    accelerator = _accelerator_api()
     if accelerator is not None:
         if not accelerator.is_available():
             return None
@@ -115,8 +120,8 @@ def set_thread_device(device: torch.device) -> None:
     """Make ``device`` current in the calling thread, which starts on device 0."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    elif device.type not in ("cpu", "mps") and hasattr(torch, "accelerator"):
-        torch.accelerator.set_device_index(device.index)
+    elif device.type not in ("cpu", "mps") and _accelerator_api() is not None:
+        _accelerator_api().set_device_index(device.index)
 
 
 class Copies:
@@ -178,7 +183,8 @@ class CudaStreams(Copies):
 
         ``timing`` events can be measured against each other with `elapsed_s`.
         """
-        event = torch.cuda.Event(enable_timing=timing)  # type: ignore[no-untyped-call]  # untyped in torch
+        make: Any = torch.cuda.Event  # untyped in torch, in parts that differ by version
+        event = make(enable_timing=timing)
         event.record(stream)
         return event
 

@@ -117,10 +117,15 @@ def missing(needs: tuple[str, ...]) -> list[str]:
         if need == "cuda":
             if not torch.cuda.is_available():
                 out.append("a CUDA device")
-        elif not need.isidentifier():
+        elif not all(part.isidentifier() for part in need.split(".")):
             raise ValueError(f"`# docs: needs {need}`: name `cuda` or an importable module.")
-        elif importlib.util.find_spec(need) is None:
-            out.append(f"the `{need}` package")
+        elif importlib.util.find_spec(need.partition(".")[0]) is None:
+            out.append(f"the `{need.partition('.')[0]}` package")
+        elif "." in need:  # a submodule: one that imports here (its package may need newer torch)
+            try:
+                importlib.import_module(need)
+            except Exception as exc:
+                out.append(f"a `{need}` that imports here ({type(exc).__name__}: {exc})")
     return out
 
 
