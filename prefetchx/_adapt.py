@@ -61,6 +61,17 @@ MAX_BACKOFF = 256
 """Windows between probes at most, while every probe confirms the incumbent: a probe of a mode
 twice as slow then costs about 0.2% of the loop's time (8 batches, see `PEEK`)."""
 
+PROBE_BUDGET = 0.01
+"""The share of the loop's time a lost probe may cost, spread over the windows until the next:
+after a probe that cost more than this share of ``backoff`` windows, the next waits as many
+windows as it takes, up to `MAX_BACKOFF` (a mode 10% slower, probed for 20 batches, costs 2
+batches' time: the next probe waits 13 windows, not 2)."""
+
+STRAY = 4.0
+"""A window further from the incumbent's smoothed figure than this many times how far its
+windows stray (and than `CHANGED`) is held back: a pause of the machine, not the loop, unless
+the next window is as far off on the same side."""
+
 TICK_S = 1e-9
 """The least time per batch a window is taken to have: a clock that did not move over a window
 (a coarse one, a loop of no work) says less than it can resolve, not zero."""
@@ -74,7 +85,16 @@ class Memory:
     """What a loader's epochs have learnt, so that each goes on where the last one stopped: the
     incumbent mode and its figures, when to look again, and a probe an epoch ended in."""
 
-    __slots__ = ("backoff", "probing", "reference", "since", "smooth", "spread", "threaded")
+    __slots__ = (
+        "backoff",
+        "held",
+        "probing",
+        "reference",
+        "since",
+        "smooth",
+        "spread",
+        "threaded",
+    )
 
     def __init__(self) -> None:
         self.threaded: bool | None = None
@@ -91,6 +111,9 @@ class Memory:
         """How far the incumbent's windows stray from ``smooth``, smoothed alike."""
         self.reference = math.nan
         """``smooth`` when it was last decided or seen to change."""
+        self.held = math.nan
+        """The time per batch of the incumbent's last window, when it was held back as far off
+        (see `STRAY`); NaN when it was not."""
 
 
 class Chooser:
@@ -166,12 +189,23 @@ class Chooser:
         smooth = memory.smooth
         if math.isnan(smooth):
             memory.smooth = memory.reference = period
+        elif abs(period - smooth) > max(CHANGED * smooth, STRAY * memory.spread):
+            held, memory.held = memory.held, math.nan
+            if math.isnan(held) or (held > smooth) != (period > smooth):
+                memory.held = period  # one window far off: a pause, unless the next says so too
+                return self._run(mode, WINDOW)
+            # Two windows far off on the same side: the loop changed. Probe now, against the
+            # figure of the window since the change, its windows' stray scaled to it.
+            memory.spread *= period / smooth
+            memory.smooth = memory.reference = period
+            memory.backoff, memory.since = 1, 0
         else:
+            memory.held = math.nan
             memory.spread += (abs(period - smooth) - memory.spread) * SMOOTHING
             memory.smooth = smooth = smooth + (period - smooth) * SMOOTHING
             if abs(smooth / memory.reference - 1) > CHANGED:
-                # The loop changed: probe again after one more window, against a figure from
-                # the two windows since the change, not one that still lags behind it.
+                # The loop changed by steps: probe again after one more window, against a
+                # figure from the two windows since the change, not one that still lags behind.
                 memory.backoff, memory.since = 1, -1
                 memory.smooth = memory.reference = period
         memory.since += 1
@@ -209,6 +243,7 @@ class Chooser:
         memory = self.memory
         memory.probing = False
         memory.since = 0
+        memory.held = math.nan
         incumbent = memory.smooth
         clear = max(period, incumbent) > (1 + CHANGED) * min(period, incumbent)
         # One window of the probe against the incumbent's smoothed figure: it must win by more
@@ -218,7 +253,13 @@ class Chooser:
             memory.threaded, memory.backoff = self.threaded, (CLEAR_GROWTH if clear else 1)
             memory.smooth = memory.reference = period
             return self._run(self.threaded, WINDOW)
-        memory.backoff = min((CLEAR_GROWTH if clear else 2) * memory.backoff, MAX_BACKOFF)
+        # What the probe cost, in batches of the incumbent: the next waits until that is at most
+        # PROBE_BUDGET of the loop's time since (the settling batches are taken to cost alike).
+        settled = SETTLE if self.threaded else SETTLE_INLINE
+        cost = (period / incumbent - 1) * (self._probed + settled)
+        paid = math.ceil(cost / (PROBE_BUDGET * WINDOW))
+        growth = CLEAR_GROWTH if clear else 2
+        memory.backoff = min(max(growth * memory.backoff, paid), MAX_BACKOFF)
         memory.reference = incumbent
         return self._switch()
 

@@ -16,9 +16,10 @@ from prefetchx._adapt import (
     MARGIN,
     MAX_BACKOFF,
     PEEK,
+    PROBE_BUDGET,
     SETTLE,
     SETTLE_INLINE,
-    SMOOTHING,
+    STRAY,
     WINDOW,
     Chooser,
     Memory,
@@ -126,11 +127,25 @@ def test_a_change_in_the_loop_brings_a_probe_at_once() -> None:
     loop = Loop(Chooser(Memory()), inline=1 * MS, threaded=2 * MS)
     loop.run(100)
     assert loop.chooser.memory.backoff > 16
-    # The loop changed: one window moves the smoothed time per batch by twice the threshold.
-    loop.periods = {False: 1 * MS * (1 + 2 * CHANGED / SMOOTHING), True: 0.5 * MS}
+    # The loop changed: two windows in a row far off on the same side (one alone is held back
+    # as a pause), though the smoothed figure has moved by less than the threshold.
+    loop.periods = {False: 1 * MS * (1 + 2 * CHANGED), True: 0.5 * MS}
     loop.run(4)
-    assert loop.modes[-4:] == [False, False, True, True]  # saw the change, measured, probed
+    assert loop.modes[-4:] == [False, False, True, True]  # held, confirmed, probed
     assert loop.threaded
+
+
+def test_a_loop_that_slows_by_steps_brings_a_probe_once_it_has_moved_enough() -> None:
+    memory = Memory()
+    loop = Loop(Chooser(memory), inline=1 * MS, threaded=2 * MS)
+    loop.run(100)
+    assert memory.backoff > 16
+    due, moved = memory.backoff - memory.since, 0
+    while not loop.threaded:  # 8% slower each window: no window far off, the figure moves
+        loop.periods[False] *= 1.08
+        loop.run(1)
+        moved += 1
+    assert moved <= 8 < due  # about when it has moved by CHANGED, long before it was due
 
 
 def test_the_next_epoch_starts_with_the_winner() -> None:
@@ -194,14 +209,86 @@ def _probe_of_the_thread(memory: Memory, inline: float = 1 * MS) -> Chooser:
     return chooser
 
 
-@pytest.mark.parametrize(("slower", "backoff"), [(1.1, 2), (2.0, CLEAR_GROWTH)])
-def test_a_probe_slower_after_its_first_batches_ends_there(slower: float, backoff: int) -> None:
+@pytest.mark.parametrize(("slower", "growth"), [(1.1, 2), (2.0, CLEAR_GROWTH)])
+def test_a_probe_slower_after_its_first_batches_ends_there(slower: float, growth: int) -> None:
     memory = Memory()
     chooser = _probe_of_the_thread(memory)
     assert chooser.window(slower * MS, _means()) == (False, SETTLE_INLINE)
     assert not memory.probing
     assert memory.threaded is False
-    assert memory.backoff == backoff  # lost; clearly (by more than CHANGED) or not
+    assert memory.backoff >= growth  # lost; clearly (by more than CHANGED) or not
+    # The next probe waits the fewest windows over which this one, settling batches and all,
+    # cost at most PROBE_BUDGET of the loop's time.
+    lost = (slower - 1) * (SETTLE + PEEK)
+    assert PROBE_BUDGET * memory.backoff * WINDOW >= lost
+    assert memory.backoff == growth or PROBE_BUDGET * (memory.backoff - 1) * WINDOW < lost
+
+
+def _lost(loop: Loop, start: int = 0) -> float:
+    """The share of the loop's time from window ``start`` on that the slower mode cost."""
+    fast = min(loop.periods.values())
+    windows = list(zip(loop.modes, loop.lengths, strict=True))[start:]
+    spent = sum(loop.periods[mode] * n for mode, n in windows)
+    return sum((loop.periods[mode] - fast) * n for mode, n in windows) / spent
+
+
+def test_probes_of_a_mode_a_little_slower_cost_at_most_the_budget() -> None:
+    # An inline incumbent of 1 ms a batch whose windows have strayed 10%; the thread is 10%
+    # slower, not slower beyond doubt after 4 batches, so a probe runs its 20 batches and costs
+    # 2 batches' time. Doubling the wait alone would probe after 1, 2, 4, 8 and 16 windows:
+    # 1.1% of the loop's time over the next 32 windows' worth.
+    memory = Memory()
+    memory.threaded = False
+    memory.smooth = memory.reference = 1 * MS
+    memory.spread = 0.1 * MS
+    chooser = Chooser(memory)
+    threaded, length = chooser.start()
+    lost = spent = 0.0
+    while spent < 32 * WINDOW * MS:
+        period = 1.1 * MS if threaded else 1 * MS
+        spent += period * length
+        lost += (period - 1 * MS) * length
+        threaded, length = chooser.window(period, _means())
+    assert lost > 0.1 * MS * (SETTLE + WINDOW)  # probed more than once
+    assert lost / spent <= PROBE_BUDGET
+    assert memory.threaded is False
+
+
+def test_a_window_far_off_alone_is_a_pause_of_the_machine_not_a_change() -> None:
+    # The thread is 6% slower. One window of the loop takes 6 times as long (the machine
+    # paused it): it neither becomes the loop's figure nor widens its stray, so the thread's
+    # next probe does not win against it, and the loop is not taken to have changed.
+    memory = Memory()
+    loop = Loop(Chooser(memory), inline=1 * MS, threaded=1.06 * MS)
+    loop.run(30)
+    assert memory.threaded is False
+    assert not loop.threaded
+    due, smooth = memory.backoff - memory.since, memory.smooth
+    loop.periods[False] = 6 * MS
+    loop.run(1)
+    loop.periods[False] = 1 * MS
+    loop.run(60)
+    assert memory.threaded is False
+    assert memory.smooth == pytest.approx(smooth)
+    assert memory.spread < 0.01 * MS
+    assert loop.modes[30 : 30 + due] == [False] * due  # no probe brought forward
+
+
+def test_a_window_far_off_beyond_a_noisy_loops_stray_is_held_back() -> None:
+    # Windows straying 20% either way: one 60% off is within STRAY times that, so it counts;
+    # one further off is held back.
+    memory = Memory()
+    chooser = Chooser(memory)
+    chooser.start()
+    memory.backoff = 1000  # no probe while the windows come in
+    for period in [1.0] + [0.8, 1.2] * 20:
+        chooser.window(period * MS, _means())
+    smooth, spread = memory.smooth, memory.spread
+    chooser.window(smooth * 1.6, _means())
+    assert memory.smooth > smooth
+    smooth = memory.smooth
+    chooser.window(smooth + STRAY * spread * 1.5, _means())
+    assert memory.smooth == smooth
 
 
 @pytest.mark.parametrize(("faster", "won"), [(0.5, True), (0.9, False), (1.0, False)])
