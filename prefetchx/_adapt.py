@@ -87,6 +87,7 @@ class Memory:
 
     __slots__ = (
         "backoff",
+        "before",
         "held",
         "probing",
         "reference",
@@ -114,6 +115,9 @@ class Memory:
         self.held = math.nan
         """The time per batch of the incumbent's last window, when it was held back as far off
         (see `STRAY`); NaN when it was not."""
+        self.before: tuple[bool | None, float, int, int, float] | None = None
+        """The loop before its last change: the incumbent, its time per batch, ``backoff``,
+        ``since`` and how far its windows strayed, as a share of that time."""
 
 
 class Chooser:
@@ -195,10 +199,8 @@ class Chooser:
                 memory.held = period  # one window far off: a pause, unless the next says so too
                 return self._run(mode, WINDOW)
             # Two windows far off on the same side: the loop changed. Probe now, against the
-            # figure of the window since the change, its windows' stray scaled to it.
-            memory.spread *= period / smooth
-            memory.smooth = memory.reference = period
-            memory.backoff, memory.since = 1, 0
+            # figure of the window since the change.
+            self._changed(period, smooth, 0)
         else:
             memory.held = math.nan
             memory.spread += (abs(period - smooth) - memory.spread) * SMOOTHING
@@ -206,13 +208,35 @@ class Chooser:
             if abs(smooth / memory.reference - 1) > CHANGED:
                 # The loop changed by steps: probe again after one more window, against a
                 # figure from the two windows since the change, not one that still lags behind.
-                memory.backoff, memory.since = 1, -1
-                memory.smooth = memory.reference = period
+                self._changed(period, memory.reference, -1)
         memory.since += 1
         if memory.since >= memory.backoff and (mode or _thread_may_help(period, means)):
             memory.probing = True
             return self._switch()
         return self._run(mode, WINDOW)
+
+    def _changed(self, period: float, level: float, since: int) -> None:
+        """The loop changed, from ``level`` to ``period`` a batch: probe the other mode after
+        ``since`` more windows, unless the loop went back to the level before the last change,
+        in the same mode. There the probes were decided already (an evaluation phase, or
+        phases of short and long steps): the pacing of that level goes on where it was."""
+        memory = self.memory
+        before = memory.before
+        memory.before = (
+            memory.threaded,
+            level,
+            memory.backoff,
+            memory.since,
+            memory.spread / level,
+        )
+        memory.smooth = memory.reference = period
+        if before is not None and before[0] == memory.threaded:
+            _, was, backoff, was_since, stray = before
+            if abs(period / was - 1) <= CHANGED:
+                memory.backoff, memory.since, memory.spread = backoff, was_since, stray * period
+                return
+        memory.spread *= period / level  # its windows stray as much, for their length
+        memory.backoff, memory.since = 1, since
 
     def cut(self, length: int) -> None:
         """The stage ends the window just answered sooner, with the epoch: it is ``length``

@@ -148,6 +148,45 @@ def test_a_loop_that_slows_by_steps_brings_a_probe_once_it_has_moved_enough() ->
     assert moved <= 8 < due  # about when it has moved by CHANGED, long before it was due
 
 
+def _phases(chooser: Chooser, levels: list[float], threaded: float, windows: int) -> list[bool]:
+    """Runs ``chooser`` over a loop whose inline time per batch goes round ``levels``, 4
+    windows each, with the thread ``threaded`` times as slow; the mode of each window."""
+    mode, length = chooser.start()
+    modes, done = [], 0
+    while done < windows * WINDOW:
+        modes.append(mode)
+        level = levels[done // (4 * WINDOW) % len(levels)]
+        done += length
+        mode, length = chooser.window(level * (threaded if mode else 1), _means())
+    return modes
+
+
+def test_a_loop_back_at_the_level_before_its_last_change_goes_on_with_that_levels_pacing() -> None:
+    # Phases of short and long steps, 4 windows each; the thread 50% slower in both. The first
+    # changes bring probes; once both levels have lost theirs, a change back to a level the
+    # loop had before goes on with that level's pacing instead of probing again at once.
+    modes = _phases(Chooser(Memory()), [1 * MS, 10 * MS], 1.5, 400)
+    probes = sum(1 for a, b in itertools.pairwise(modes) if b and not a)
+    assert probes <= 30  # 100 before: one at each change (22 now, as each level paces them)
+
+
+def test_a_loop_back_at_a_level_whose_winner_differs_probes_again() -> None:
+    # The thread is 50% slower at one level and twice as fast at the other (loop's levels as
+    # the loop sees them inline): each change back brings the probe that restores the winner.
+    memory = Memory()
+    chooser = Chooser(memory)
+    mode, length = chooser.start()
+    done, threaded_share = 0, {0: [], 1: []}
+    while done < 200 * WINDOW:
+        phase = done // (4 * WINDOW) % 2
+        inline, thread = (1 * MS, 1.5 * MS) if phase == 0 else (10 * MS, 5 * MS)
+        threaded_share[phase].append(mode)
+        done += length
+        mode, length = chooser.window(thread if mode else inline, _means())
+    assert sum(threaded_share[0]) / len(threaded_share[0]) < 0.4
+    assert sum(threaded_share[1]) / len(threaded_share[1]) > 0.4
+
+
 def test_the_next_epoch_starts_with_the_winner() -> None:
     memory = Memory()
     Loop(Chooser(memory), inline=2 * MS, threaded=1 * MS).run(10)
