@@ -147,6 +147,11 @@ class Chooser:
         """Batches of the probe's measured window so far."""
         self._probed_s = 0.0
         """Their time, in seconds."""
+        self._grown = 0
+        """After a lost probe, until the incumbent's next measured window: the wait for the
+        next probe that growth alone sets (see `_pace`); 0 otherwise."""
+        self._cost = 0.0
+        """What the last lost probe cost, in batches of the incumbent's time."""
 
     @property
     def steady(self) -> bool:
@@ -191,6 +196,9 @@ class Chooser:
             return self._probe(period, ending)
         mode = memory.threaded = self.threaded
         smooth = memory.smooth
+        if self._grown:  # the incumbent's first window since a lost probe: what it paid too
+            self._pace(max(0.0, period / smooth - 1) * self._length)
+            self._grown = 0
         if math.isnan(smooth):
             memory.smooth = memory.reference = period
         elif abs(period - smooth) > max(CHANGED * smooth, STRAY * memory.spread):
@@ -280,12 +288,18 @@ class Chooser:
         # What the probe cost, in batches of the incumbent: the next waits until that is at most
         # PROBE_BUDGET of the loop's time since (the settling batches are taken to cost alike).
         settled = SETTLE if self.threaded else SETTLE_INLINE
-        cost = (period / incumbent - 1) * (self._probed + settled)
-        paid = math.ceil(cost / (PROBE_BUDGET * WINDOW))
-        growth = CLEAR_GROWTH if clear else 2
-        memory.backoff = min(max(growth * memory.backoff, paid), MAX_BACKOFF)
+        self._cost = (period / incumbent - 1) * (self._probed + settled)
+        self._grown = (CLEAR_GROWTH if clear else 2) * memory.backoff
+        self._pace()
         memory.reference = incumbent
         return self._switch()
+
+    def _pace(self, extra: float = 0.0) -> None:
+        """Set the wait for the next probe from the last lost one's: its growth, and what it
+        cost (plus ``extra`` batches' time) spread at `PROBE_BUDGET` over the windows until."""
+        self._cost += extra
+        paid = math.ceil(self._cost / (PROBE_BUDGET * WINDOW))
+        self.memory.backoff = min(max(self._grown, paid), MAX_BACKOFF)
 
     def _switch(self) -> tuple[bool, int]:
         self.threaded = not self.threaded

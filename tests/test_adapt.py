@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from collections.abc import Callable
 
@@ -261,6 +262,22 @@ def test_a_probe_slower_after_its_first_batches_ends_there(slower: float, growth
     lost = (slower - 1) * (SETTLE + PEEK)
     assert PROBE_BUDGET * memory.backoff * WINDOW >= lost
     assert memory.backoff == growth or PROBE_BUDGET * (memory.backoff - 1) * WINDOW < lost
+
+
+@pytest.mark.parametrize("after", [1.0, 1.5])
+def test_a_slow_return_from_a_lost_probe_counts_in_what_the_probe_cost(after: float) -> None:
+    # The thread 20% slower: its probe ends after its first 4 measured batches, 8 batches in all
+    # at 1.6 batches' time. The loop's first window after it, 50% slower (the thread parking,
+    # caches gone cold), costs 8 more: the next probe waits 60 windows, not 10.
+    memory = Memory()
+    chooser = _probe_of_the_thread(memory)
+    assert chooser.window(1.2 * MS, _means()) == (False, SETTLE_INLINE)
+    chooser.window(1 * MS, _means())  # settling
+    chooser.window(after * MS, _means())
+    lost = 0.2 * (SETTLE + PEEK) + (after - 1) * WINDOW
+    assert memory.backoff == math.ceil(round(lost / (PROBE_BUDGET * WINDOW), 6))
+    chooser.window(1 * MS, _means())
+    assert memory.backoff == math.ceil(round(lost / (PROBE_BUDGET * WINDOW), 6))  # counted once
 
 
 def _lost(loop: Loop, start: int = 0) -> float:
