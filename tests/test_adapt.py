@@ -330,15 +330,22 @@ def test_a_window_far_off_alone_is_a_pause_of_the_machine_not_a_change() -> None
     assert loop.modes[30 : 30 + due] == [False] * due  # no probe brought forward
 
 
-def test_a_window_far_off_beyond_a_noisy_loops_stray_is_held_back() -> None:
-    # Windows straying 20% either way: one 60% off is within STRAY times that, so it counts;
-    # one further off is held back.
+def _straying_20_percent() -> Chooser:
+    """A chooser whose inline incumbent has run 41 windows of 1 ms a batch, 20% either way."""
     memory = Memory()
     chooser = Chooser(memory)
     chooser.start()
     memory.backoff = 1000  # no probe while the windows come in
     for period in [1.0] + [0.8, 1.2] * 20:
-        chooser.window(period * MS, _means())
+        assert chooser.window(period * MS, _means()) == (False, WINDOW)
+    return chooser
+
+
+def test_a_window_far_off_beyond_a_noisy_loops_stray_is_held_back() -> None:
+    # Windows straying 20% either way: one 60% off is within STRAY times that, so it counts;
+    # one further off is held back.
+    chooser = _straying_20_percent()
+    memory = chooser.memory
     smooth, spread = memory.smooth, memory.spread
     chooser.window(smooth * 1.6, _means())
     assert memory.smooth > smooth
@@ -394,12 +401,8 @@ def test_a_probe_is_decided_on_its_whole_window(first: float, rest: float, won: 
 def test_uneven_steps_do_not_end_a_probe_early() -> None:
     # The incumbent's windows stray by 20% either way: a mean of 4 batches strays about twice as
     # far, so 60% slower over them may still be luck.
-    memory = Memory()
-    chooser = Chooser(memory)
-    chooser.start()
-    memory.backoff = 1000  # no probe while the windows come in
-    for period in [1.0] + [0.8, 1.2] * 20:
-        assert chooser.window(period * MS, _means()) == (False, WINDOW)
+    chooser = _straying_20_percent()
+    memory = chooser.memory
     assert 0.18 * MS < memory.spread < 0.25 * MS
     memory.backoff = memory.since + 1
     assert chooser.window(1 * MS, _means()) == (True, SETTLE)
