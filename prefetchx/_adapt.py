@@ -208,7 +208,7 @@ class Chooser:
                 return self._run(mode, WINDOW)
             # Two windows far off on the same side: the loop changed. Probe now, against the
             # figure of the window since the change.
-            self._changed(period, smooth, 0)
+            self._changed(period, smooth, wait=0)
         else:
             memory.held = math.nan
             memory.spread += (abs(period - smooth) - memory.spread) * SMOOTHING
@@ -216,18 +216,19 @@ class Chooser:
             if abs(smooth / memory.reference - 1) > CHANGED:
                 # The loop changed by steps: probe again after one more window, against a
                 # figure from the two windows since the change, not one that still lags behind.
-                self._changed(period, memory.reference, -1)
+                self._changed(period, memory.reference, wait=1)
         memory.since += 1
         if memory.since >= memory.backoff and (mode or _thread_may_help(period, means)):
             memory.probing = True
             return self._switch()
         return self._run(mode, WINDOW)
 
-    def _changed(self, period: float, level: float, since: int) -> None:
-        """The loop changed, from ``level`` to ``period`` a batch: probe the other mode after
-        ``since`` more windows, unless the loop went back to the level before the last change,
-        in the same mode. There the probes were decided already (an evaluation phase, or
-        phases of short and long steps): the pacing of that level goes on where it was."""
+    def _changed(self, period: float, level: float, wait: int) -> None:
+        """The loop changed, from ``level`` to ``period`` a batch: probe the other mode once
+        ``wait`` more windows have been measured (0: at this window's end), unless the loop
+        went back to the level before the last change, in the same mode. There the probes were
+        decided already (an evaluation phase, or phases of short and long steps): the pacing of
+        that level goes on where it was."""
         memory = self.memory
         before = memory.before
         memory.before = (
@@ -244,7 +245,7 @@ class Chooser:
                 memory.backoff, memory.since, memory.spread = backoff, was_since, stray * period
                 return
         memory.spread *= period / level  # its windows stray as much, for their length
-        memory.backoff, memory.since = 1, since
+        memory.backoff, memory.since = 1, -wait  # counted up to 1 by this window's end
 
     def cut(self, length: int) -> None:
         """The stage ends the window just answered sooner, with the epoch: it is ``length``

@@ -120,8 +120,10 @@ def set_thread_device(device: torch.device) -> None:
     """Make ``device`` current in the calling thread, which starts on device 0."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    elif device.type not in ("cpu", "mps") and _accelerator_api() is not None:
-        _accelerator_api().set_device_index(device.index)
+    elif device.type not in ("cpu", "mps"):
+        accelerator = _accelerator_api()
+        if accelerator is not None:
+            accelerator.set_device_index(device.index)
 
 
 class Copies:
