@@ -340,29 +340,28 @@ def test_a_channel_reports_a_producer_that_died_silently() -> None:
     assert "prefetchx-test-dead" in str(value.exc)
 
 
-def test_a_producer_waiting_for_room_goes_on_only_at_the_low_water_mark() -> None:
-    q, stop = Channel(5), threading.Event()  # low-water mark: 2 items left
+def test_a_producer_waiting_for_room_goes_on_as_soon_as_one_item_is_taken() -> None:
+    q, stop = Channel(5), threading.Event()
 
     def produce() -> None:
         for i in range(6):
             assert q.room(stop)  # asked before each item is made, never with one in hand
             q.put(i)
 
-    producer = threading.Thread(target=produce)
+    producer = threading.Thread(target=produce, daemon=True)
     producer.start()
-    assert wait_until(lambda: q.producer_waits)
-    assert q.full()
-    assert q.qsize() == 5
-    assert [q.get(producer, stop) for _ in range(2)] == [0, 1]
-    time.sleep(0.05)
-    assert q.producer_waits  # 3 left: no longer full, still waiting
-    assert not q.full()
-    assert q.qsize() == 3
-    assert q.get(producer, stop) == 2  # 2 left: the producer goes on
-    producer.join(10)
-    assert not producer.is_alive()
+    try:
+        assert wait_until(lambda: q.producer_waits)
+        assert q.full()
+        assert q.qsize() == 5
+        assert q.get(producer, stop) == 0  # 4 left: room for one, and the producer makes it
+        producer.join(10)
+        assert not producer.is_alive()
+    finally:
+        stop.set()  # a producer still waiting ends
     assert not q.producer_waits
-    assert [q.get(producer, stop) for _ in range(3)] == [3, 4, 5]
+    assert q.qsize() == 5
+    assert [q.get(producer, stop) for _ in range(5)] == [1, 2, 3, 4, 5]
 
 
 # --- warnings ------------------------------------------------------------------------------------
