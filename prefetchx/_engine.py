@@ -94,8 +94,9 @@ class Channel:
     steps, one item after each take. Woken only at a low-water mark, it would make several
     items back to back, holding the GIL for as long as they take, and a step that lets go of
     the GIL (a sleep, a wait on a device) would wait for it at its end: 14% to 25% slower in a
-    loop of 20 us sleeping steps on the 2-core VM, and no faster in any of 45 other loops. Every
-    wait is timed and re-checks the stop event, so a stop, a Ctrl-C or a producer that died is
+    loop of 20 us sleeping steps on the 2-core VM, and within noise of this over 45 other loops
+    (it saved wake-ups only in loops where the thread loses to the caller anyway). Every wait
+    is timed and re-checks the stop event, so a stop, a Ctrl-C or a producer that died is
     noticed within `POLL_INTERVAL`.
 
     The producer alone writes ``_put`` and the consumer alone ``_taken``; each reads the other's
