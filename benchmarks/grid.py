@@ -12,10 +12,14 @@ plain DataLoader, DataLoaderX, the BackgroundGenerator recipe, DataLoaderX with
 ``max_prefetch=0``, a run-ahead ``queue.SimpleQueue`` thread over DataLoader, the floor of a
 threaded hand-off, and a second plain DataLoader, plain against itself: the noise. Each arm
 runs one untimed epoch first (workers started). Every cell reports each arm's throughput over
-plain's; the summary gives the figures issue #16's targets are about.
+plain's; the summary gives the figures issue #16's targets are about. A cell within 1% of a
+target (DataLoaderX below 0.98) gets a second look: plain, DataLoaderX, the recipe and plain
+again measured in ``--second-rounds`` fresh rounds, from which the summary reads it; the first
+look's figures stay in the table and in the record.
 
 Usage:
-    python benchmarks/grid.py [--quick] [--rounds N] [--epoch-ms MS] [--out STEM]
+    python benchmarks/grid.py [--quick] [--rounds N] [--second-rounds N] [--epoch-ms MS]
+        [--out STEM]
 
 ``--out benchmarks/results/grid-cpu-2core`` writes ``grid-cpu-2core.txt`` (the table, its
 legend and summary) and ``grid-cpu-2core.json`` (every round's times, the machine, the versions
@@ -38,8 +42,8 @@ import numpy as np
 from torch.utils.data import DataLoader
 
 from prefetchx import ThreadStage
-from prefetchx.bench.paired import CLEAR, Spread, ratios, run_rounds
-from prefetchx.bench.record import add_options, meta_line, report
+from prefetchx.bench.paired import CLEAR, MIN_ROUNDS, Spread, ratios, run_rounds
+from prefetchx.bench.record import add_options, meta_line, report, rounds
 from prefetchx.bench.synthetic import (
     ARMS,
     KINDS,
@@ -69,6 +73,15 @@ DEEPER = (4, 8, 32)
 """Queue depths the hand-off is also measured at, beyond the run's ``--max-prefetch``: a deeper
 queue lets the thread make more batches for each wake-up (see `prefetchx._engine.Channel`)."""
 ARM_ORDER = ("plain", "prefetchx", "recipe", "inline", "floor", "again")
+SECOND_LOOK_ARMS = ("plain", "prefetchx", "recipe", "again")
+"""The arms a second look measures again: those the targets read."""
+SECOND_LOOK_BELOW = 0.98
+"""A cell gets a second look where DataLoaderX reads below this, over plain or, in a winning
+cell, over the best of plain and the recipe: within 1% of the targets' 0.97. Five rounds leave a
+cell's median a few percent of noise (plain against itself reads below 0.97 in several cells of
+a run), so a cell near the line is measured again in fresh rounds, and the targets are read
+from that measurement; both are recorded."""
+SECOND_LOOK_ROUNDS = 11
 OVERHEAD_MS = {0: 0.03, 2: 0.15}
 """A DataLoader's own cost per batch, roughly, without and with workers, where it is not
 measured (`loader_overhead_ms`): sizes the epochs. With workers it varies by machine: 0.15 ms on
@@ -209,9 +222,13 @@ def _sized(cells: list[Cell], epoch_ms: float, overhead_ms: Mapping[int, float])
 
 
 def measure_cell(
-    cell: Cell, rounds: int, max_prefetch: int, progress: Callable[[str], None]
+    cell: Cell,
+    rounds: int,
+    max_prefetch: int,
+    progress: Callable[[str], None],
+    arms: tuple[str, ...] = ARM_ORDER,
 ) -> dict[str, Any]:
-    """Every arm on ``cell``: one untimed epoch each, then ``rounds`` paired rounds."""
+    """The ``arms`` on ``cell``: one untimed epoch each, then ``rounds`` paired rounds."""
     kind = "sleep" if cell.kind == "none" else cell.kind
     data = Work(kind, cell.data_ms)
     steps = Steps(kind, cell.steps_ms())
@@ -221,7 +238,7 @@ def measure_cell(
         "num_workers": cell.workers,
         "persistent_workers": cell.workers > 0,
     }
-    loaders = {arm: ARMS[arm](dataset, max_prefetch, common) for arm in ARM_ORDER}
+    loaders = {arm: ARMS[arm](dataset, max_prefetch, common) for arm in arms}
     step_calls: list[float] = []
     data_calls: list[float] = []
 
@@ -252,7 +269,7 @@ def measure_cell(
         arm: statistics.median(
             (t - p) / cell.batches * 1e6 for t, p in zip(times[arm], times["plain"], strict=True)
         )
-        for arm in ARM_ORDER
+        for arm in arms
     }
     return {
         **asdict(cell),
@@ -360,8 +377,40 @@ def _spread(cell: dict[str, Any], arm: str) -> Spread:
     return Spread(**cell["ratios"][arm])
 
 
-def summarize(cells: list[dict[str, Any]], handoff: dict[str, Any]) -> dict[str, Any]:
-    """The figures the targets of issue #16 are about (see `SUMMARY_NOTES`)."""
+def second_look_due(cell: dict[str, Any]) -> bool:
+    """Whether ``cell`` reads close enough to a 0.97 target to be measured again (see
+    `SECOND_LOOK_BELOW`)."""
+    ours = _spread(cell, "prefetchx").median
+    recipe = _spread(cell, "recipe").median
+    if ours < SECOND_LOOK_BELOW:
+        return True
+    return recipe > 1 + CLEAR and ours / max(1.0, recipe) < SECOND_LOOK_BELOW
+
+
+def settled(cell: dict[str, Any]) -> dict[str, Any]:
+    """``cell`` as the targets read it: with its second look's figures, where it had one."""
+    second = cell.get("second_look")
+    return cell if second is None else {**cell, "ratios": second["ratios"]}
+
+
+def summarize(
+    cells: list[dict[str, Any]], handoff: dict[str, Any], second_rounds: int = 0
+) -> dict[str, Any]:
+    """The figures the targets of issue #16 are about (see `SUMMARY_NOTES`), each cell read
+    from its second look (of ``second_rounds`` rounds) where it had one; and the same from the
+    first look alone."""
+    summary = summarize_cells([settled(c) for c in cells])
+    summary["second_look"] = {
+        "cells": sum(1 for c in cells if "second_look" in c),
+        "rounds": second_rounds,
+        "first_look": summarize_cells(cells),
+    }
+    summary["handoff"] = summarize_handoff(handoff)
+    return summary
+
+
+def summarize_cells(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """The cells' part of `summarize`."""
     ours = [(c, _spread(c, "prefetchx")) for c in cells]
     worst, worst_spread = min(ours, key=lambda pair: pair[1].median)
     no_work = next((c for c in cells if c["kind"] == "none" and c["workers"] == 0), None)
@@ -377,7 +426,6 @@ def summarize(cells: list[dict[str, Any]], handoff: dict[str, Any]) -> dict[str,
         "no_work": None,
         "winning_cells": len(winning),
         "winning_worst": None,
-        "handoff": None,
     }
     if no_work is not None:
         summary["no_work"] = {"cell": no_work["label"], **no_work["ratios"]["prefetchx"]}
@@ -397,7 +445,6 @@ def summarize(cells: list[dict[str, Any]], handoff: dict[str, Any]) -> dict[str,
         "prefetchx_below_0.97": sum(1 for _, s in ours if s.median < 0.97),
         "in_worst_cell": asdict(_spread(worst, "again")),
     }
-    summary["handoff"] = summarize_handoff(handoff)
     return summary
 
 
@@ -425,6 +472,11 @@ SUMMARY_NOTES = (
     "no-work loop: DataLoaderX over plain with no work, no workers (target >= 0.95)",
     "winning cells: where the recipe beats plain by more than 2%, DataLoaderX's median over "
     "the best of plain's and the recipe's; the lowest (target >= 0.97)",
+    f"second look: the cells where DataLoaderX read below {SECOND_LOOK_BELOW} at the first look "
+    "(over plain, or in a winning cell over the best of plain and the recipe), within 1% of a "
+    "target, measured again in fresh paired rounds of the arms the targets read; the lines "
+    "above read those cells from their second look, and this line gives the same figures from "
+    "the first look alone",
     "hand-off: a loop with no work and no workers, timed apart: the time per batch above plain's "
     "(paired by round) and the context switches per batch of the thread stage with its inline "
     "switch off (the loop makes a batch itself only when the thread has none ready and is not "
@@ -459,6 +511,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         )
     else:
         lines.append(wrap("winning cells: none (the recipe beat plain by more than 2% nowhere)"))
+    lines.append(wrap(_second_look_line(summary["second_look"])))
     h = summary["handoff"]
     over = (
         f"{h['thread_over_floor']:.2f}x the floor's"
@@ -478,6 +531,44 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(wrap("hand-off, deeper queues, over the floor's: " + _by_depth(h["depths"])))
     lines.append("What the summary lines mean:")
     lines += [wrap(note) for note in SUMMARY_NOTES]
+    return "\n".join(lines)
+
+
+def _second_look_line(second: dict[str, Any]) -> str:
+    first = second["first_look"]
+    worst = first["worst"]
+    line = (
+        f"second look: {second['cells']} cells, {second['rounds']} rounds each; at the first "
+        f"look alone, the worst cell {worst['median']:.2f}x plain ({worst['cell']}), "
+        f"DataLoaderX below 0.97 in {first['noise']['prefetchx_below_0.97']} cells (plain "
+        f"against itself in {first['noise']['below_0.97']})"
+    )
+    if first["winning_worst"] is not None:
+        w = first["winning_worst"]
+        line += f", winning cells below 0.97 of the best: {w['below_0.97']} of "
+        line += f"{first['winning_cells']}, the lowest {w['of_best']:.3f}"
+    return line
+
+
+def format_second_look(cells: list[dict[str, Any]]) -> str:
+    """One line per cell measured again: DataLoaderX's first figure, then the second look's."""
+    arms = SECOND_LOOK_ARMS[1:]
+    head = f"{'cell':<52} {'prefetchx, first':<18}  " + " ".join(f"{arm:<18}" for arm in arms)
+    lines = [
+        "Second look (see the summary): DataLoaderX's first figure, then each arm's in the "
+        "second look's rounds",
+        head.rstrip(),
+    ]
+    for c in cells:
+        if "second_look" not in c:
+            continue
+        again = settled(c)
+        lines.append(
+            (
+                f"{c['label']:<52} {_spread(c, 'prefetchx').ratio():<18}  "
+                + " ".join(f"{_spread(again, a).ratio():<18}" for a in arms)
+            ).rstrip()
+        )
     return "\n".join(lines)
 
 
@@ -567,8 +658,20 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="measure the hand-off alone, at the run's depth and deeper (a minute)",
     )
+    p.add_argument(
+        "--second-rounds",
+        type=second_rounds,
+        metavar="N",
+        help=f"paired rounds of a second look at the cells near a target, >= {MIN_ROUNDS}, or "
+        f"0 for none (default {SECOND_LOOK_ROUNDS}; --quick: {MIN_ROUNDS})",
+    )
     add_options(p, "benchmarks/results/grid-cpu-2core")
     return p
+
+
+def second_rounds(value: str) -> int:
+    """An argparse type for ``--second-rounds``: 0, or as ``--rounds``."""
+    return 0 if value.strip() == "0" else rounds(value)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -608,11 +711,21 @@ def main(argv: list[str] | None = None) -> int:
     for i, cell in enumerate(cells):
         log(f"cell {i + 1}/{len(cells)}")
         results.append(measure_cell(cell, args.rounds, args.max_prefetch, log))
+    looks = args.second_rounds
+    if looks is None:
+        looks = MIN_ROUNDS if args.quick else SECOND_LOOK_ROUNDS
+    meta["second_rounds"] = looks
+    pairs = zip(cells, results, strict=True)
+    due = [(cell, r) for cell, r in pairs if looks and second_look_due(r)]
+    for i, (cell, result) in enumerate(due):
+        log(f"second look {i + 1}/{len(due)}")
+        again = measure_cell(cell, looks, args.max_prefetch, log, SECOND_LOOK_ARMS)
+        result["second_look"] = {k: again[k] for k in ("epochs_s", "ratios", "extra_us_per_batch")}
     log("hand-off")
     handoff = measure_handoff(HANDOFF_BATCHES[args.quick], args.rounds, args.max_prefetch, log)
-    summary = summarize(results, handoff)
+    summary = summarize(results, handoff, looks)
     conclusion = conclude(
-        [(c["label"], _spread(c, "prefetchx")) for c in results], quick=args.quick
+        [(c["label"], _spread(settled(c), "prefetchx")) for c in results], quick=args.quick
     )
     report(
         args.out,
@@ -623,6 +736,7 @@ def main(argv: list[str] | None = None) -> int:
             "DataLoader's own time a batch, measured: "
             + ", ".join(f"{ms * 1e3:.0f} us with {w} workers" for w, ms in overhead.items()),
             format_table(results),
+            *([format_second_look(results)] if due else []),
             explain(COLUMNS, ARM_ORDER),
             format_summary(summary),
         ],

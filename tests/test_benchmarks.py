@@ -121,11 +121,13 @@ def test_the_quick_grid_writes_its_table_and_record(tmp_path: Path) -> None:
     assert set(handoff["extra_us_per_batch"]) == {"plain", "thread", "handed over", "floor"}
     assert handoff["switches_per_batch"]["thread"] >= 0
     assert set(handoff["depths"]) == {"4", "8", "32"}
+    grid = _program("grid")
+    read = [grid.settled(c) for c in cells]  # from the second look where a cell had one
     noise = summary["noise"]
     assert noise["cell"] in {c["label"] for c in cells}
-    assert noise["median"] == min(c["ratios"]["again"]["median"] for c in cells)
+    assert noise["median"] == min(c["ratios"]["again"]["median"] for c in read)
     assert noise["prefetchx_below_0.97"] == sum(
-        1 for c in cells if c["ratios"]["prefetchx"]["median"] < 0.97
+        1 for c in read if c["ratios"]["prefetchx"]["median"] < 0.97
     )
     for line in (
         "worst cell: ",
@@ -137,6 +139,66 @@ def test_the_quick_grid_writes_its_table_and_record(tmp_path: Path) -> None:
     ):
         assert f"\n  {line}" in text, line
     assert "every batch handed over: " in " ".join(text.split())
+    # Exactly the cells near a target were measured again, in the arms the targets read.
+    looked = [c for c in cells if "second_look" in c]
+    assert looked == [c for c in cells if grid.second_look_due(c)]
+    assert summary["second_look"]["cells"] == len(looked)
+    assert record["meta"]["second_rounds"] == summary["second_look"]["rounds"] == 5
+    for cell in looked:
+        _paired(cell["second_look"]["ratios"], set(grid.SECOND_LOOK_ARMS))
+        assert cell["label"] in text  # a row of the second look's table
+    assert "\n  second look: " in text
+
+
+def _cell(label: str, ours: float, recipe: float = 1.0, again: float = 1.0) -> dict[str, Any]:
+    figures = {"plain": 1.0, "prefetchx": ours, "recipe": recipe, "again": again}
+    return {
+        "label": label,
+        "kind": "sleep",
+        "workers": 0,
+        "ratios": {
+            arm: {"median": m, "low": m, "high": m, "rounds": [m] * 5} for arm, m in figures.items()
+        },
+    }
+
+
+def test_the_grid_reads_a_cell_near_a_target_from_its_second_look() -> None:
+    grid = _program("grid")
+    near = _cell("near", 0.975)
+    behind = _cell("behind the recipe", 1.2, recipe=1.25)  # 0.96 of the best
+    clear = _cell("clear", 0.99)
+    winning = _cell("winning", 1.3, recipe=1.3)
+    assert [grid.second_look_due(c) for c in (near, behind, clear, winning)] == [
+        True,
+        True,
+        False,
+        False,
+    ]
+    near["second_look"] = {"ratios": _cell("near", 1.01, again=0.95)["ratios"]}
+    behind["second_look"] = {"ratios": _cell("behind", 1.1, recipe=1.3)["ratios"]}
+    handoff = {
+        "extra_us_per_batch": {"thread": 20.0, "floor": 10.0, "handed over": 30.0},
+        "switches_per_batch": {"thread": 1.0, "floor": 1.0, "handed over": 2.0},
+        "thread_over_floor": 2.0,
+        "handed_over_over_floor": 3.0,
+        "depths": {},
+    }
+    summary = grid.summarize([near, behind, clear, winning], handoff, 11)
+    # Read from the second look: "near" no longer the worst, "behind" further behind.
+    assert summary["worst"]["cell"] == "clear"
+    assert summary["noise"]["cell"] == "near"  # its second look's plain against itself
+    assert summary["winning_worst"]["cell"] == "behind the recipe"
+    assert summary["winning_worst"]["of_best"] == pytest.approx(1.1 / 1.3)
+    # ... and from the first look alone, as it read there.
+    first = summary["second_look"]["first_look"]
+    assert first["worst"]["cell"] == "near"
+    assert first["winning_worst"]["of_best"] == pytest.approx(1.2 / 1.25)
+    assert summary["second_look"]["cells"] == 2
+    text = grid.format_summary({**summary, "no_work": None})
+    assert (
+        "second look: 2 cells, 11 rounds each; at the first look alone, the worst cell 0.97x"
+        in (" ".join(text.split()))
+    )
 
 
 def test_the_quick_handoff_alone_measures_the_deeper_queues_too(tmp_path: Path) -> None:
@@ -200,6 +262,18 @@ def test_a_bad_option_is_a_usage_error_before_anything_runs(
     assert shown.replace("{tmp}", str(tmp_path)) in err
     assert out == ""
     assert not list(tmp_path.iterdir())
+
+
+def test_the_grids_second_look_takes_enough_rounds_or_none(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    grid = _program("grid")
+    with pytest.raises(SystemExit) as exited:
+        grid.main(["--second-rounds", "3"])
+    assert exited.value.code == 2
+    assert "argument --second-rounds: must be >= 5, got 3" in capsys.readouterr().err
+    assert grid.parser().parse_args(["--second-rounds", "0"]).second_rounds == 0
+    assert grid.parser().parse_args([]).second_rounds is None  # 11, or 5 --quick
 
 
 @pytest.mark.parametrize("program", ["grid", "jpeg_pipeline"])
