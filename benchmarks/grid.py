@@ -731,8 +731,9 @@ def main(argv: list[str] | None = None) -> int:
         args.out,
         meta,
         [
-            f"Grid: {len(cells)} cells, {args.rounds} paired rounds each, arms interleaved "
-            f"in one process; {time.perf_counter() - started:.0f} s. Epochs sized from a "
+            f"Grid: {len(cells)} cells, {args.rounds} paired rounds each, then a second look "
+            f"at {len(due)} of them, {looks} rounds each; arms interleaved in one process; "
+            f"{time.perf_counter() - started:.0f} s in all. Epochs sized from a "
             "DataLoader's own time a batch, measured: "
             + ", ".join(f"{ms * 1e3:.0f} us with {w} workers" for w, ms in overhead.items()),
             format_table(results),
