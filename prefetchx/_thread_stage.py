@@ -45,13 +45,14 @@ LET_GO_WAIT = 1.0
 that nothing else uses while the thread is inside a call of it, for that call to return (see
 `_Producer._let_go`)."""
 
-COARSE_BELOW_S = 200e-6
+COARSE_BELOW_S = 1e-3
 """Below this time per batch, a loop that makes its own batches, with no probe of the thread to
-come, has its batches counted rather than each timed: two clock reads and two appends a batch
-cost such a loop 1% to 3% (measured on the 2-core VM: about 2 us a batch in a 65 us pure-Python
-loop, where the step leaves the caches cold, and 0.3 us in a loop of no work). The meter then
-times one batch in each window of `coarse_window` batches and counts the others, with no
-Python run per counted batch (see `ThreadStage.outlet`)."""
+come, has its batches counted rather than each timed. Timing each batch runs the stage's Python
+for it, two clock reads and two appends, and a step that leaves the caches cold makes that
+dearer: on the 2-core VM, a batch timed cost 3 to 7 us more than one counted in loops of 250 to
+570 us (1% to 2% of the loop), and 0.3 us in a loop of no work. The meter then times one batch
+in each window of `coarse_window` batches and counts the others, with no Python run per counted
+batch (see `ThreadStage.outlet`)."""
 
 COARSE_SPAN_S = 20e-3
 """A counted window lasts about this long. Its end costs the loop about 100 us on the 2-core VM,
@@ -551,8 +552,8 @@ class ThreadStage(Iterator[T], Generic[T]):
     epochs shorter than a probe still decide. Only one of the two ever calls the source at a time.
 
     The same clock reads feed the stall meter, ``stats``: each item's wait and the step before
-    it. In a loop that makes its own items at under 200 us an item, two clock reads an item
-    would cost it 1% to 3%: there, for a loop that iterates `outlet` or a chain of `parts` (a
+    it. In a loop that makes its own items at under 1000 us an item, timing each would cost
+    it 1% to 2%: there, for a loop that iterates `outlet` or a chain of `parts` (a
     DataLoaderX's iterator is one), once no look at the thread is due, the meter times the first
     item of each window of about 20 ms (each window of 4096 items at most) and counts the
     others, with no Python run for them. Each counted item gets the timed one's wait, and their

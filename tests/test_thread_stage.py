@@ -1236,21 +1236,34 @@ def test_a_counted_window_lasts_about_20_ms(period: float, batches: int) -> None
 
 
 @pytest.mark.adaptive
-def test_a_loop_under_200_us_a_batch_is_counted_with_exact_totals(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(("step", "window"), [(45e-6, 400), (495e-6, 40), (895e-6, 22)])
+def test_a_loop_under_1_ms_a_batch_is_counted_with_exact_totals(
+    monkeypatch: pytest.MonkeyPatch, step: float, window: int
 ) -> None:
-    # 50 us a batch: timing each batch would cost the loop a few percent, so one in each window
-    # of 20 ms is timed; the totals stay those of the loop.
+    # Timing each batch would cost such a loop 1% to 2%, so one in each window of 20 ms is
+    # timed; the totals stay those of the loop.
     n = 3000
-    stage, got, clock = _fast_loop(monkeypatch, n, lambda i: 5e-6, lambda i: 45e-6)
+    stage, got, clock = _fast_loop(monkeypatch, n, lambda i: 5e-6, lambda i: step)
     assert [value for value, _ in got] == list(range(n))
     assert stage.thread is None  # 5 us of data: nothing for a thread to hide
-    assert clock.reads < n // 8
-    assert stage._coarse_length == 400
+    assert clock.reads < 8 * n // window  # two a batch if every batch were timed
+    assert stage._coarse_length == window
     stats = stage.stats
     assert (stats.batches, stats.wait.count, stats.step.count) == (n, n, n)
     assert stats.wait.total == pytest.approx(n * 5e-6)
-    assert stats.step.total == pytest.approx(n * 45e-6)
+    assert stats.step.total == pytest.approx(n * step)
+
+
+@pytest.mark.adaptive
+def test_a_loop_of_1_ms_a_batch_or_more_is_timed_batch_by_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    n = 500
+    stage, got, clock = _fast_loop(monkeypatch, n, lambda i: 5e-6, lambda i: 1e-3)
+    assert [value for value, _ in got] == list(range(n))
+    assert stage.thread is None
+    assert clock.reads >= 2 * n
+    assert stage.stats.step.last(n) == [pytest.approx(1e-3)] * n
 
 
 def _squares(n: int) -> Iterator[int]:
