@@ -1296,6 +1296,41 @@ def test_a_source_of_c_or_generator_code_ends_inside_a_counted_window_exactly(
     assert stage._source is None  # ended: released
 
 
+def _counted_edge(monkeypatch: pytest.MonkeyPatch) -> int:
+    """The index of the last batch of the first counted window of `_fast_loop`'s loop."""
+    clock = _Clock()
+    monkeypatch.setattr("prefetchx._thread_stage.perf_counter", clock)
+    stage = ThreadStage(_Timed(clock, 5000, lambda i: 2e-6), max_prefetch=2)
+    counting = []
+    for _ in stage.outlet():
+        counting.append(stage.counting)
+        clock.now += 3e-6
+    first = counting.index(True)
+    return first + counting[first:].index(False) - 1
+
+
+@pytest.mark.adaptive
+@pytest.mark.parametrize("shift", [-1, 0, 1])
+@pytest.mark.parametrize("how", ["ends", "fails"])
+def test_a_source_that_ends_or_fails_at_a_counted_windows_last_call_is_counted_exactly(
+    monkeypatch: pytest.MonkeyPatch, shift: int, how: str
+) -> None:
+    # The source's StopIteration at the window's last call and an error there followed by the
+    # loop's call past the window both end the window with every call of it made: what tells
+    # them apart is whether the loop's call past it reached the window.
+    at = _counted_edge(monkeypatch) + shift
+    n, fail_at = (at, {}) if how == "ends" else (at + 50, {at: ValueError("edge")})
+    stage, got, _ = _fast_loop(
+        monkeypatch, n, lambda i: 2e-6, lambda i: 3e-6, fail_at=dict(fail_at)
+    )
+    assert got == outcomes(Flaky(n, fail_at=dict(fail_at)))
+    errors = len(fail_at)
+    assert (stage.stats.batches, stage.stats.errors) == (n - errors, errors)
+    assert (stage.tally.count, stage.tally.ended) == (n, True)
+    assert stage.stats.wait.count == n
+    assert stage._source is None  # ended: released
+
+
 @pytest.mark.adaptive
 @pytest.mark.parametrize("taken", [600, 1000])
 def test_counts_of_counted_batches_are_exact_at_any_batch(
