@@ -1296,15 +1296,16 @@ def test_a_source_of_c_or_generator_code_ends_inside_a_counted_window_exactly(
     assert stage._source is None  # ended: released
 
 
-def _counted_edge(monkeypatch: pytest.MonkeyPatch) -> int:
-    """The index of the last batch of the first counted window of `_fast_loop`'s loop."""
+def _counted_edge(monkeypatch: pytest.MonkeyPatch, wait: float, step: float) -> int:
+    """The index of the last batch of the first counted window of a loop as `_fast_loop` runs
+    it, with ``wait`` and ``step`` seconds for every batch."""
     clock = _Clock()
     monkeypatch.setattr("prefetchx._thread_stage.perf_counter", clock)
-    stage = ThreadStage(_Timed(clock, 5000, lambda i: 2e-6), max_prefetch=2)
+    stage = ThreadStage(_Timed(clock, 5000, lambda i: wait), max_prefetch=2)
     counting = []
     for _ in stage.outlet():
         counting.append(stage.counting)
-        clock.now += 3e-6
+        clock.now += step
     first = counting.index(True)
     return first + counting[first:].index(False) - 1
 
@@ -1318,10 +1319,11 @@ def test_a_source_that_ends_or_fails_at_a_counted_windows_last_call_is_counted_e
     # The source's StopIteration at the window's last call and an error there followed by the
     # loop's call past the window both end the window with every call of it made: what tells
     # them apart is whether the loop's call past it reached the window.
-    at = _counted_edge(monkeypatch) + shift
+    wait, step = 2e-6, 3e-6
+    at = _counted_edge(monkeypatch, wait, step) + shift
     n, fail_at = (at, {}) if how == "ends" else (at + 50, {at: ValueError("edge")})
     stage, got, _ = _fast_loop(
-        monkeypatch, n, lambda i: 2e-6, lambda i: 3e-6, fail_at=dict(fail_at)
+        monkeypatch, n, lambda i: wait, lambda i: step, fail_at=dict(fail_at)
     )
     assert got == outcomes(Flaky(n, fail_at=dict(fail_at)))
     errors = len(fail_at)
