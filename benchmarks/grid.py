@@ -19,7 +19,11 @@ look's figures stay in the table and in the record.
 
 Usage:
     python benchmarks/grid.py [--quick] [--rounds N] [--second-rounds N] [--epoch-ms MS]
-        [--out STEM]
+        [--only REGEX] [--out STEM]
+
+``--only`` runs the cells whose label (as the table gives it: ``sleep ramp, D 200 us, C 995.2
+us, 0 workers``) matches a regular expression, with the hand-off; with ``--epoch-ms``, it
+measures how a loop's length changes a cell.
 
 ``--out benchmarks/results/grid-cpu-2core`` writes ``grid-cpu-2core.txt`` (the table, its
 legend and summary) and ``grid-cpu-2core.json`` (every round's times, the machine, the versions
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 import resource
 import statistics
 import sys
@@ -654,6 +659,12 @@ def parser() -> argparse.ArgumentParser:
         help="the plain arm's epoch length to aim for (default 250; --quick: 20)",
     )
     p.add_argument(
+        "--only",
+        type=label_pattern,
+        metavar="REGEX",
+        help="run only the cells whose label matches REGEX (re.search), e.g. 'ramp.*, 0 workers'",
+    )
+    p.add_argument(
         "--handoff-only",
         action="store_true",
         help="measure the hand-off alone, at the run's depth and deeper (a minute)",
@@ -667,6 +678,14 @@ def parser() -> argparse.ArgumentParser:
     )
     add_options(p, "benchmarks/results/grid-cpu-2core")
     return p
+
+
+def label_pattern(value: str) -> re.Pattern[str]:
+    """An argparse type for ``--only``: a regular expression."""
+    try:
+        return re.compile(value)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"not a regular expression ({exc}): {value!r}") from exc
 
 
 def second_rounds(value: str) -> int:
@@ -707,6 +726,11 @@ def main(argv: list[str] | None = None) -> int:
     overhead = {w: loader_overhead_ms(w, 40 if args.quick else OVERHEAD_BATCHES) for w in workers}
     meta["overhead_ms"] = overhead
     cells = grid(args.quick, epoch_ms, overhead)
+    if args.only is not None:
+        cells = [cell for cell in cells if args.only.search(cell.label)]
+        if not cells:
+            parser().error(f"--only matches no cell's label: {args.only.pattern!r}")
+        meta["only"] = args.only.pattern
     results = []
     for i, cell in enumerate(cells):
         log(f"cell {i + 1}/{len(cells)}")

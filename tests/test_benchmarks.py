@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -148,6 +149,32 @@ def test_the_quick_grid_writes_its_table_and_record(tmp_path: Path) -> None:
         _paired(cell["second_look"]["ratios"], set(grid.SECOND_LOOK_ARMS))
         assert cell["label"] in text  # a row of the second look's table
     assert "\n  second look: " in text
+
+
+def test_the_grid_runs_only_the_cells_its_pattern_names(tmp_path: Path) -> None:
+    stem = tmp_path / "grid"
+    only = "^sleep, D 200 us"
+    done = _run("grid", "--quick", "--only", only, "--second-rounds", "0", "--out", str(stem))
+    text, record = _recorded(stem, done, GRID_ARMS)
+    assert [c["label"] for c in record["cells"]] == ["sleep, D 200 us, C 200 us, 0 workers"]
+    assert record["meta"]["only"] == only
+    assert record["summary"]["no_work"] is None  # not among the cells run
+    assert re.search(r"no-work loop: [\d.]+x", text) is None  # no figure, only its legend
+    assert "hand-off: the thread stage" in text
+
+
+@pytest.mark.parametrize(
+    ("only", "says"),
+    [
+        ("^zzz", "--only matches no cell's label: '^zzz'"),
+        ("ramp(", "argument --only: not a regular expression"),
+    ],
+)
+def test_the_grid_refuses_a_pattern_that_runs_nothing(only: str, says: str) -> None:
+    done = _run("grid", "--quick", "--only", only)
+    assert done.returncode == 2
+    assert says in done.stderr
+    assert "cell 1/" not in done.stderr  # refused before any cell ran
 
 
 def _cell(label: str, ours: float, recipe: float = 1.0, again: float = 1.0) -> dict[str, Any]:
