@@ -53,6 +53,16 @@ SMOOTHING = 0.25
 """Weight of each new window in the incumbent's smoothed time per batch (about the last 4
 windows count)."""
 
+STEP_TO_STRAY = math.sqrt(4 / 7)
+"""A window's stray from the incumbent's figure, per unit of its difference from the window
+before it, where windows vary at random. Two such windows differ by sqrt(2) times what one
+strays from the loop's mean; a window strays from the figure (which averages about the last 4
+windows, and so varies by ``SMOOTHING / (2 - SMOOTHING)``, a seventh, of a window's variance) by
+sqrt(8/7) times: the ratio is sqrt(4/7). Told so, a loop that moves steadily (a warm-up, a ramp
+of growing steps) adds one window's move to its stray; told from the figure, which trails such
+a loop by about three windows' move, it added that lag, and a probe was held to a margin the
+lag had swollen."""
+
 CLEAR_GROWTH = 4
 """How much longer the next probe waits when this one was clear (one mode slower by more than
 `CHANGED`): a clear answer is not noise."""
@@ -89,6 +99,7 @@ class Memory:
         "backoff",
         "before",
         "held",
+        "last",
         "probing",
         "reference",
         "since",
@@ -109,7 +120,11 @@ class Memory:
         self.smooth = math.nan
         """The incumbent's time per batch, smoothed over its windows."""
         self.spread = 0.0
-        """How far the incumbent's windows stray from ``smooth``, smoothed alike."""
+        """How far the incumbent's windows stray from ``smooth`` at random, smoothed alike:
+        told from how far each differs from the one before it (see `STEP_TO_STRAY`)."""
+        self.last = math.nan
+        """The time per batch of the incumbent's last window counted into ``smooth``, or of
+        the window ``smooth`` was last set from; NaN before the first."""
         self.reference = math.nan
         """``smooth`` when it was last decided or seen to change."""
         self.held = math.nan
@@ -200,7 +215,7 @@ class Chooser:
             self._pace(max(0.0, period / smooth - 1) * self._length)
             self._grown = 0
         if math.isnan(smooth):
-            memory.smooth = memory.reference = period
+            memory.smooth = memory.reference = memory.last = period
         elif abs(period - smooth) > max(CHANGED * smooth, STRAY * memory.spread):
             held, memory.held = memory.held, math.nan
             if math.isnan(held) or (held > smooth) != (period > smooth):
@@ -211,7 +226,12 @@ class Chooser:
             self._changed(period, smooth, wait=0)
         else:
             memory.held = math.nan
-            memory.spread += (abs(period - smooth) - memory.spread) * SMOOTHING
+            last, memory.last = memory.last, period
+            # From the figure where no window came before it (a figure set from outside).
+            stray = abs(period - smooth) if math.isnan(last) else STEP_TO_STRAY * abs(period - last)
+            # The first stray is taken whole: from nothing, a loop's first windows would pass
+            # for calm, and hold back as pauses windows that only vary as its windows do.
+            memory.spread += (stray - memory.spread) * (SMOOTHING if memory.spread else 1.0)
             memory.smooth = smooth = smooth + (period - smooth) * SMOOTHING
             if abs(smooth / memory.reference - 1) > CHANGED:
                 # The loop changed by steps: probe again after one more window, against a
@@ -238,7 +258,7 @@ class Chooser:
             memory.since,
             memory.spread / level,
         )
-        memory.smooth = memory.reference = period
+        memory.smooth = memory.reference = memory.last = period
         if before is not None and before[0] == memory.threaded:
             _, was, backoff, was_since, stray = before
             if abs(period / was - 1) <= CHANGED:
@@ -284,7 +304,7 @@ class Chooser:
         margin = max(MARGIN, memory.spread / incumbent)
         if period < incumbent * (1 - margin):  # the probe won: it is the incumbent now
             memory.threaded, memory.backoff = self.threaded, (CLEAR_GROWTH if clear else 1)
-            memory.smooth = memory.reference = period
+            memory.smooth = memory.reference = memory.last = period
             return self._run(self.threaded, WINDOW)
         # What the probe cost, in batches of the incumbent: the next waits until that is at most
         # PROBE_BUDGET of the loop's time since (the settling batches are taken to cost alike).
