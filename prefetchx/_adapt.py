@@ -167,6 +167,9 @@ class Chooser:
         next probe that growth alone sets (see `_pace`); 0 otherwise."""
         self._cost = 0.0
         """What the last lost probe cost, in batches of the incumbent's time."""
+        self._lost = (math.nan, math.nan)
+        """After a lost probe, until the incumbent's next measured window: the probe's time per
+        batch and the incumbent's last window's before it (see `_lost_to_a_move`)."""
 
     @property
     def steady(self) -> bool:
@@ -214,9 +217,11 @@ class Chooser:
         if self._grown:  # the incumbent's first window since a lost probe: what it paid too
             self._pace(max(0.0, period / smooth - 1) * self._length)
             self._grown = 0
+            if self._lost_to_a_move(period):
+                return self._take_over()
         if math.isnan(smooth):
             memory.smooth = memory.reference = memory.last = period
-        elif abs(period - smooth) > max(CHANGED * smooth, STRAY * memory.spread):
+        elif self._far_off(period):
             held, memory.held = memory.held, math.nan
             if math.isnan(held) or (held > smooth) != (period > smooth):
                 memory.held = period  # one window far off: a pause, unless the next says so too
@@ -310,9 +315,37 @@ class Chooser:
         # PROBE_BUDGET of the loop's time since (the settling batches are taken to cost alike).
         settled = SETTLE if self.threaded else SETTLE_INLINE
         self._cost = (period / incumbent - 1) * (self._probed + settled)
+        self._lost = (period, memory.last)
         self._grown = (CLEAR_GROWTH if clear else 2) * memory.backoff
         self._pace()
         memory.reference = incumbent
+        return self._switch()
+
+    def _lost_to_a_move(self, after: float) -> bool:
+        """Whether the probe just lost would have won against the incumbent's windows either
+        side of it, ``after`` a batch being the first since: the loop slowed while the probe
+        ran (a warm-up, growing steps), so the figure it was weighed against was from the past.
+        The mean of the windows either side takes a steady move out, as the smoothed figure,
+        which trails such a loop by about three windows' move, cannot."""
+        probe, before = self._lost
+        self._lost = (math.nan, math.nan)
+        if not before < after or self._far_off(after):  # NaN: no probe lost
+            return False
+        level = (before + after) / 2
+        return probe < level * (1 - max(MARGIN, self.memory.spread / level))
+
+    def _far_off(self, period: float) -> bool:
+        """Whether a window of the incumbent is too far off its figure to count in it (see
+        `STRAY`): a pause of the machine, or the loop changed."""
+        smooth = self.memory.smooth
+        return abs(period - smooth) > max(CHANGED * smooth, STRAY * self.memory.spread)
+
+    def _take_over(self) -> tuple[bool, int]:
+        """The mode just probed takes over, its figure to be set from its first window."""
+        memory = self.memory
+        memory.threaded = not self.threaded
+        memory.smooth = memory.reference = memory.last = memory.held = math.nan
+        memory.backoff, memory.since = 1, 0
         return self._switch()
 
     def _pace(self, extra: float = 0.0) -> None:
