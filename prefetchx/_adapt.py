@@ -142,11 +142,12 @@ class Chooser:
     `window` is told the loop's time per batch over the window that just ended, and answers
     with the mode and the length of the next window. A probe switches to the other mode for a
     settling window and a measured one, then keeps whichever was faster; it ends after the
-    measured window's first `PEEK` batches if they are slower beyond doubt; an epoch that ends
-    before the probe does leaves it to the next. The incumbent's time per batch is smoothed
-    over its windows, so that a loop whose steps vary from batch to batch (a window of 16
-    random steps is noisy) neither looks like it changed nor loses a comparison to a lucky
-    probe.
+    measured window's first `PEEK` batches if they are slower beyond doubt; a probe lost while
+    the loop slowed is weighed again against the incumbent's windows either side of it, and may
+    take over late; an epoch that ends before the probe does leaves it to the next. The
+    incumbent's time per batch is smoothed over its windows, so that a loop whose steps vary
+    from batch to batch (a window of 16 random steps is noisy) neither looks like it changed
+    nor loses a comparison to a lucky probe.
     """
 
     def __init__(self, memory: Memory) -> None:
