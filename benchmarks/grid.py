@@ -14,8 +14,8 @@ threaded hand-off, and a second plain DataLoader, plain against itself: the nois
 runs one untimed epoch first (workers started). Every cell reports each arm's throughput over
 plain's; the summary gives the figures issue #16's targets are about. A cell within 1% of a
 target (DataLoaderX below 0.98) gets a second look: plain, DataLoaderX, the recipe and plain
-again measured in ``--second-rounds`` fresh rounds, from which the summary reads it; the first
-look's figures stay in the table and in the record.
+again measured in ``--second-rounds`` fresh rounds (with workers, four epochs an arm a round),
+from which the summary reads it; the first look's figures stay in the table and in the record.
 
 Usage:
     python benchmarks/grid.py [--quick] [--rounds N] [--second-rounds N] [--epoch-ms MS]
@@ -87,6 +87,13 @@ cell's median a few percent of noise (plain against itself reads below 0.97 in s
 a run), so a cell near the line is measured again in fresh rounds, and the targets are read
 from that measurement; both are recorded."""
 SECOND_LOOK_ROUNDS = 11
+SECOND_LOOK_EPOCHS = {0: 1, 2: 4}
+"""Epochs each arm runs back to back in a round of a cell's second look, by worker count: a
+round is timed over their sum. With 2 workers three processes share the cores, and which runs
+when moves one 250 ms epoch by 20% either way (plain against itself read 0.72x to 1.51x a round,
+medians of 11 rounds 0.90x to 1.09x); over four, the worker cells of the first look that read
+lowest came within 3% of plain, plain against itself alike. Repeating the epoch, not lengthening
+it, keeps a shaped step (a ramp over the epoch) the loop it was."""
 OVERHEAD_MS = {0: 0.03, 2: 0.15}
 """A DataLoader's own cost per batch, roughly, without and with workers, where it is not
 measured (`loader_overhead_ms`): sizes the epochs. With workers it varies by machine: 0.15 ms on
@@ -232,8 +239,10 @@ def measure_cell(
     max_prefetch: int,
     progress: Callable[[str], None],
     arms: tuple[str, ...] = ARM_ORDER,
+    epochs: int = 1,
 ) -> dict[str, Any]:
-    """The ``arms`` on ``cell``: one untimed epoch each, then ``rounds`` paired rounds."""
+    """The ``arms`` on ``cell``: one untimed epoch each, then ``rounds`` paired rounds, each
+    arm running ``epochs`` epochs back to back in a round, timed together."""
     kind = "sleep" if cell.kind == "none" else cell.kind
     data = Work(kind, cell.data_ms)
     steps = Steps(kind, cell.steps_ms())
@@ -257,13 +266,16 @@ def measure_cell(
                 data_calls.append(sum(data.calls) / len(data.calls))
         return seconds
 
+    def turn(arm: str, loader: Iterable[Any]) -> float:
+        return sum(epoch(arm, loader) for _ in range(epochs))
+
     try:
         for arm, loader in loaders.items():
             epoch(arm, loader)
         step_calls.clear()
         data_calls.clear()
         times = run_rounds(
-            {arm: functools.partial(epoch, arm, loader) for arm, loader in loaders.items()},
+            {arm: functools.partial(turn, arm, loader) for arm, loader in loaders.items()},
             rounds,
             lambda done: progress(f"  {cell.label}: round {done}/{rounds}"),
         )
@@ -272,7 +284,8 @@ def measure_cell(
             release(loader)
     extra = {
         arm: statistics.median(
-            (t - p) / cell.batches * 1e6 for t, p in zip(times[arm], times["plain"], strict=True)
+            (t - p) / (cell.batches * epochs) * 1e6
+            for t, p in zip(times[arm], times["plain"], strict=True)
         )
         for arm in arms
     }
@@ -284,6 +297,7 @@ def measure_cell(
         "epochs_s": times,
         "ratios": {arm: asdict(spread) for arm, spread in ratios(times).items()},
         "extra_us_per_batch": extra,
+        "epochs_per_round": epochs,
     }
 
 
@@ -479,7 +493,8 @@ SUMMARY_NOTES = (
     "the best of plain's and the recipe's; the lowest (target >= 0.97)",
     f"second look: the cells where DataLoaderX read below {SECOND_LOOK_BELOW} at the first look "
     "(over plain, or in a winning cell over the best of plain and the recipe), within 1% of a "
-    "target, measured again in fresh paired rounds of the arms the targets read; the lines "
+    "target, measured again in fresh paired rounds of the arms the targets read (with "
+    f"workers, {SECOND_LOOK_EPOCHS[2]} epochs an arm a round, timed together); the lines "
     "above read those cells from their second look, and this line gives the same figures from "
     "the first look alone",
     "hand-off: a loop with no work and no workers, timed apart: the time per batch above plain's "
@@ -561,7 +576,8 @@ def format_second_look(cells: list[dict[str, Any]]) -> str:
     head = f"{'cell':<52} {'prefetchx, first':<18}  " + " ".join(f"{arm:<18}" for arm in arms)
     lines = [
         "Second look (see the summary): DataLoaderX's first figure, then each arm's in the "
-        "second look's rounds",
+        "second look's rounds (with workers, "
+        f"{SECOND_LOOK_EPOCHS[2]} epochs an arm a round)",
         head.rstrip(),
     ]
     for c in cells:
@@ -743,8 +759,11 @@ def main(argv: list[str] | None = None) -> int:
     due = [(cell, r) for cell, r in pairs if looks and second_look_due(r)]
     for i, (cell, result) in enumerate(due):
         log(f"second look {i + 1}/{len(due)}")
-        again = measure_cell(cell, looks, args.max_prefetch, log, SECOND_LOOK_ARMS)
-        result["second_look"] = {k: again[k] for k in ("epochs_s", "ratios", "extra_us_per_batch")}
+        epochs = SECOND_LOOK_EPOCHS[cell.workers]
+        again = measure_cell(cell, looks, args.max_prefetch, log, SECOND_LOOK_ARMS, epochs)
+        result["second_look"] = {
+            k: again[k] for k in ("epochs_s", "ratios", "extra_us_per_batch", "epochs_per_round")
+        }
     log("hand-off")
     handoff = measure_handoff(HANDOFF_BATCHES[args.quick], args.rounds, args.max_prefetch, log)
     summary = summarize(results, handoff, looks)

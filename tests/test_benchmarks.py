@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -301,6 +302,38 @@ def test_the_grids_second_look_takes_enough_rounds_or_none(
     assert "argument --second-rounds: must be >= 5, got 3" in capsys.readouterr().err
     assert grid.parser().parse_args(["--second-rounds", "0"]).second_rounds == 0
     assert grid.parser().parse_args([]).second_rounds is None  # 11, or 5 --quick
+
+
+def test_a_second_look_with_workers_times_several_epochs_an_arm_a_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    grid = _program("grid")
+    assert grid.SECOND_LOOK_EPOCHS[0] == 1
+    assert grid.SECOND_LOOK_EPOCHS[2] > 1
+    run_epoch = grid.run_epoch
+    seconds = iter(range(1, 10_000))
+    ran: list[str] = []
+
+    def counted(loader: Any, step: Any) -> float:
+        run_epoch(loader, step)
+        ran.append(type(loader).__name__)
+        return float(next(seconds))  # the clock: each epoch takes 1 s longer than the last
+
+    monkeypatch.setattr(grid, "run_epoch", counted)
+    cell = grid.Cell("sleep", 0, 0.0, 0.0, batches=20)
+    arms = ("plain", "again")
+    record = grid.measure_cell(cell, 5, 2, lambda _: None, arms, epochs=3)
+    assert len(ran) == len(arms) * (1 + 5 * 3)  # one untimed epoch each, then 3 a round
+    assert record["epochs_per_round"] == 3
+    # Each round's time is the sum of three epochs in a row (the untimed ones took 1 and 2 s).
+    times = record["epochs_s"]
+    assert [len(t) for t in times.values()] == [5, 5]
+    assert sorted(t // 3 - 1 for t in times["plain"] + times["again"]) == list(range(3, 31, 3))
+    assert all(t % 3 == 0 for t in times["plain"] + times["again"])
+    # Per batch over plain, counted over every epoch of the round.
+    pairs = zip(times["again"], times["plain"], strict=True)
+    per_batch = [(a - p) / (20 * 3) * 1e6 for a, p in pairs]
+    assert record["extra_us_per_batch"]["again"] == statistics.median(per_batch)
 
 
 @pytest.mark.parametrize("program", ["grid", "jpeg_pipeline"])
