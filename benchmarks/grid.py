@@ -91,9 +91,10 @@ SECOND_LOOK_EPOCHS = {0: 1, 2: 4}
 """Epochs each arm runs back to back in a round of a cell's second look, by worker count: a
 round is timed over their sum. With 2 workers three processes share the cores, and which runs
 when moves one 250 ms epoch by 20% either way (plain against itself read 0.72x to 1.51x a round,
-medians of 11 rounds 0.90x to 1.09x); over four, the worker cells of the first look that read
-lowest came within 3% of plain, plain against itself alike. Repeating the epoch, not lengthening
-it, keeps a shaped step (a ramp over the epoch) the loop it was."""
+medians of 11 rounds 0.90x to 1.09x). The 22 worker cells that read lowest, timed over 1 s
+epochs, read 0.965x plain at the lowest where they read 0.864x over 250 ms, one below 0.97
+against five of plain against itself; four epochs a round time as long. Repeating the epoch, not
+lengthening it, keeps a shaped step (a ramp over the epoch) the loop it was."""
 OVERHEAD_MS = {0: 0.03, 2: 0.15}
 """A DataLoader's own cost per batch, roughly, without and with workers, where it is not
 measured (`loader_overhead_ms`): sizes the epochs. With workers it varies by machine: 0.15 ms on
