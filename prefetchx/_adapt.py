@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 WINDOW = 16
 """Batches in a measured window."""
@@ -86,21 +87,42 @@ TICK_S = 1e-9
 """The least time per batch a window is taken to have: a clock that did not move over a window
 (a coarse one, a loop of no work) says less than it can resolve, not zero."""
 
+LEVELS = 8
+"""Levels of the loop remembered with the pacing of their probes (see `Chooser._changed`)."""
+
 HIDE_AT_LEAST_S = 10e-6
 """Below this, the shorter of the mean step and the mean wait for data (what a thread could
 hide at best, per batch) is less than any hand-off costs: the thread is not worth a probe."""
 
 
+class Level(NamedTuple):
+    """A level the loop was at, and where the probes there stood when it left."""
+
+    threaded: bool | None
+    """The incumbent there."""
+    period: float
+    """Its time per batch."""
+    backoff: int
+    since: int
+    stray: float
+    """How far its windows strayed, as a share of ``period``."""
+    lost_by: float
+    """How much slower the other mode was in the last probe lost there, as a share; 0 if none."""
+
+
 class Memory:
     """What a loader's epochs have learnt, so that each goes on where the last one stopped: the
-    incumbent mode and its figures, when to look again, and a probe an epoch ended in."""
+    incumbent mode and its figures, when to look again, the levels the loop was at, and a
+    probe an epoch ended in or put off."""
 
     __slots__ = (
         "backoff",
-        "before",
         "held",
         "last",
+        "levels",
+        "lost_by",
         "probing",
+        "put_off",
         "reference",
         "since",
         "smooth",
@@ -117,6 +139,8 @@ class Memory:
         """Measured windows of the incumbent since the last probe."""
         self.probing = False
         """Whether the other mode is being probed (an epoch may end in a probe)."""
+        self.put_off = False
+        """Whether a probe due as the last epoch ended was put off to the next."""
         self.smooth = math.nan
         """The incumbent's time per batch, smoothed over its windows."""
         self.spread = 0.0
@@ -130,9 +154,11 @@ class Memory:
         self.held = math.nan
         """The time per batch of the incumbent's last window, when it was held back as far off
         (see `STRAY`); NaN when it was not."""
-        self.before: tuple[bool | None, float, int, int, float] | None = None
-        """The loop before its last change: the incumbent, its time per batch, ``backoff``,
-        ``since`` and how far its windows strayed, as a share of that time."""
+        self.lost_by = 0.0
+        """How much slower the other mode was in the last probe the incumbent won since the
+        loop's last change, as a share of the incumbent's time; 0 if none."""
+        self.levels: list[Level] = []
+        """The levels the loop was at before its last `LEVELS` changes, the latest first."""
 
 
 class Chooser:
@@ -144,7 +170,8 @@ class Chooser:
     settling window and a measured one, then keeps whichever was faster; it ends after the
     measured window's first `PEEK` batches if they are slower beyond doubt; a probe lost while
     the loop slowed is weighed again against the incumbent's windows either side of it, and may
-    take over late; an epoch that ends before the probe does leaves it to the next. The
+    take over late; an epoch that ends before the probe does leaves it to the next, and a
+    probe due as an epoch ends waits for the incumbent's first window of the next. The
     incumbent's time per batch is smoothed over its windows, so that a loop whose steps vary
     from batch to batch (a window of 16 random steps is noisy) neither looks like it changed
     nor loses a comparison to a lucky probe.
@@ -244,7 +271,13 @@ class Chooser:
                 # figure from the two windows since the change, not one that still lags behind.
                 self._changed(period, memory.reference, wait=1)
         memory.since += 1
-        if memory.since >= memory.backoff and (mode or _thread_may_help(period, means)):
+        due = memory.since >= memory.backoff and (mode or _thread_may_help(period, means))
+        # A probe due as the epoch ends is put off, once: it would run at the next epoch's
+        # start, against a figure from this one's end, and an epoch's first batches need not
+        # be the loop its last were (a ramp begins again). It begins after the incumbent's
+        # first window there, even if that one ends its epoch too (epochs of a window or less).
+        memory.put_off = due and ending and not memory.put_off
+        if due and not memory.put_off:
             memory.probing = True
             return self._switch()
         return self._run(mode, WINDOW)
@@ -252,24 +285,45 @@ class Chooser:
     def _changed(self, period: float, level: float, wait: int) -> None:
         """The loop changed, from ``level`` to ``period`` a batch: probe the other mode once
         ``wait`` more windows have been measured (0: at this window's end), unless the loop
-        went back to the level before the last change, in the same mode. There the probes were
-        decided already (an evaluation phase, or phases of short and long steps): the pacing of
-        that level goes on where it was."""
+        came back to a level it was at before, in the same mode, where the probes were decided
+        already: the pacing there goes on where it was.
+
+        Back at the level before the last change, whatever its probes said (an evaluation
+        phase; phases of short and long steps). Back at an older one (the nearest, within
+        `CHANGED`), only if its last probe was lost clearly: by more than `CHANGED`, and by
+        more than the incumbent's first window after it was slower (see `_lost_to_a_move`). A
+        loop that moves steadily passes a level again only after the whole of its move (the
+        same ramp in the next epoch), and a narrow loss there, or one to the move, may say
+        nothing of the other mode; a clear one does.
+        """
         memory = self.memory
-        before = memory.before
-        memory.before = (
-            memory.threaded,
-            level,
-            memory.backoff,
-            memory.since,
-            memory.spread / level,
+        mode = memory.threaded
+        left = Level(
+            mode, level, memory.backoff, memory.since, memory.spread / level, memory.lost_by
         )
         memory.smooth = memory.reference = memory.last = period
-        if before is not None and before[0] == memory.threaded:
-            _, was, backoff, was_since, stray = before
-            if abs(period / was - 1) <= CHANGED:
-                memory.backoff, memory.since, memory.spread = backoff, was_since, stray * period
-                return
+        back = min(
+            (
+                known
+                for n, known in enumerate(memory.levels)
+                if known.threaded == mode
+                and _near(known.period, period)
+                and (n == 0 or known.lost_by > CHANGED)
+            ),
+            key=lambda known: abs(period / known.period - 1),
+            default=None,
+        )
+        others = [
+            known
+            for known in memory.levels
+            if known is not back and not (known.threaded == mode and _near(known.period, level))
+        ]
+        memory.levels = [left, *others][:LEVELS]  # the level left, as it stands now
+        memory.lost_by = 0.0
+        if back is not None:
+            memory.backoff, memory.since, memory.lost_by = back.backoff, back.since, back.lost_by
+            memory.spread = back.stray * period
+            return
         memory.spread *= period / level  # its windows stray as much, for their length
         memory.backoff, memory.since = 1, -wait  # counted up to 1 by this window's end
 
@@ -310,6 +364,7 @@ class Chooser:
         margin = max(MARGIN, memory.spread / incumbent)
         if period < incumbent * (1 - margin):  # the probe won: it is the incumbent now
             memory.threaded, memory.backoff = self.threaded, (CLEAR_GROWTH if clear else 1)
+            memory.lost_by = 0.0
             memory.smooth = memory.reference = memory.last = period
             return self._run(self.threaded, WINDOW)
         # What the probe cost, in batches of the incumbent: the next waits until that is at most
@@ -317,6 +372,7 @@ class Chooser:
         settled = SETTLE if self.threaded else SETTLE_INLINE
         self._cost = (period / incumbent - 1) * (self._probed + settled)
         self._lost = (period, memory.last)
+        memory.lost_by = period / incumbent - 1
         self._grown = (CLEAR_GROWTH if clear else 2) * memory.backoff
         self._pace()
         memory.reference = incumbent
@@ -330,7 +386,13 @@ class Chooser:
         which trails such a loop by about three windows' move, cannot."""
         probe, before = self._lost
         self._lost = (math.nan, math.nan)
-        if not before < after or self._far_off(after):  # NaN: no probe lost
+        if not before < after:  # NaN: no probe lost
+            return False
+        # Lost by as much as it is slower than the incumbent after it, at most: a loss to the
+        # loop's move is no answer for the level (see `_changed`), however far the move.
+        memory = self.memory
+        memory.lost_by = min(memory.lost_by, probe / after - 1)
+        if self._far_off(after):
             return False
         level = (before + after) / 2
         return probe < level * (1 - max(MARGIN, self.memory.spread / level))
@@ -345,6 +407,7 @@ class Chooser:
         """The mode just probed takes over, its figure to be set from its first window."""
         memory = self.memory
         memory.threaded = not self.threaded
+        memory.lost_by = 0.0
         memory.smooth = memory.reference = memory.last = memory.held = math.nan
         memory.backoff, memory.since = 1, 0
         return self._switch()
@@ -369,6 +432,11 @@ class Chooser:
         """The answer: the next window's mode and length, kept to measure the window by."""
         self._length = length
         return threaded, length
+
+
+def _near(level: float, period: float) -> bool:
+    """Whether a loop at ``period`` a batch is at ``level`` still, within `CHANGED`."""
+    return abs(period / level - 1) <= CHANGED
 
 
 def _thread_may_help(period: float, means: Callable[[], tuple[float, float]]) -> bool:
