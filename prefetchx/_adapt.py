@@ -290,8 +290,9 @@ class Chooser:
 
         Back at the level before the last change, whatever its probes said (an evaluation
         phase; phases of short and long steps). Back at an older one (the nearest, within
-        `CHANGED`), only if its last probe was lost clearly: by more than `CHANGED`, and by
-        more than the incumbent's first window after it was slower (see `_lost_to_a_move`). A
+        `CHANGED`), only if its last probe was lost clearly: slower by more than `CHANGED`
+        than the incumbent's figure and, where the loop slowed meanwhile, than the
+        incumbent's first window after the probe too (see `_lost_to_a_move`). A
         loop that moves steadily passes a level again only after the whole of its move (the
         same ramp in the next epoch), and a narrow loss there, or one to the move, may say
         nothing of the other mode; a clear one does.
