@@ -384,7 +384,8 @@ class Chooser:
         side of it, ``after`` a batch being the first since: the loop slowed while the probe
         ran (a warm-up, growing steps), so the figure it was weighed against was from the past.
         The mean of the windows either side takes a steady move out, as the smoothed figure,
-        which trails such a loop by about three windows' move, cannot."""
+        which trails such a loop by about three windows' move, cannot. Where the loop slowed,
+        the loss the level remembers (``lost_by``) is capped by the probe's against ``after``."""
         probe, before = self._lost
         self._lost = (math.nan, math.nan)
         if not before < after:  # NaN: no probe lost
