@@ -170,11 +170,12 @@ class Chooser:
     settling window and a measured one, then keeps whichever was faster; it ends after the
     measured window's first `PEEK` batches if they are slower beyond doubt; a probe lost while
     the loop slowed is weighed again against the incumbent's windows either side of it, and may
-    take over late; an epoch that ends before the probe does leaves it to the next, and a
-    probe due as an epoch ends waits for the incumbent's first window of the next. The
-    incumbent's time per batch is smoothed over its windows, so that a loop whose steps vary
-    from batch to batch (a window of 16 random steps is noisy) neither looks like it changed
-    nor loses a comparison to a lucky probe.
+    take over late; a probe due as an epoch ends, or cut short by it before it has measured
+    `PEEK` batches, waits for the incumbent's first window of the next epoch, once, and one
+    begun right after that is left to the next epoch if cut short again. The incumbent's time per
+    batch is smoothed over its windows, so that a loop whose steps vary from batch to batch (a
+    window of 16 random steps is noisy) neither looks like it changed nor loses a comparison to a
+    lucky probe.
     """
 
     def __init__(self, memory: Memory) -> None:
@@ -190,6 +191,10 @@ class Chooser:
         """Batches of the probe's measured window so far."""
         self._probed_s = 0.0
         """Their time, in seconds."""
+        self._deferrable = False
+        """Whether the probe under way began in this epoch, and not right after being put off:
+        an epoch's end that comes before it has measured enough puts it off (see `_put_off`).
+        Put off once only, or epochs shorter than a probe would never finish one."""
         self._grown = 0
         """After a lost probe, until the incumbent's next measured window: the wait for the
         next probe that growth alone sets (see `_pace`); 0 otherwise."""
@@ -228,10 +233,13 @@ class Chooser:
                 and mean wait inside ``next()``; called only when they are needed.
             ending: The window was cut short by the epoch's end: a probe that has measured
                 `PEEK` batches or more is decided on them, or an epoch shorter than a probe
-                would start it again and again and never decide.
+                would start it again and again and never decide; one that has measured fewer
+                is put off, once (see `_put_off`).
         """
         memory = self.memory
         period = max(period, TICK_S)  # compared as a ratio below
+        if ending and memory.probing and self._deferrable and self._probed_by(period) < PEEK:
+            return self._put_off()
         if self._settling:
             self._settling = False
             if memory.probing:  # the probe's measured window: its first batches, a look
@@ -276,11 +284,27 @@ class Chooser:
         # start, against a figure from this one's end, and an epoch's first batches need not
         # be the loop its last were (a ramp begins again). It begins after the incumbent's
         # first window there, even if that one ends its epoch too (epochs of a window or less).
-        memory.put_off = due and ending and not memory.put_off
+        put_off, memory.put_off = memory.put_off, due and ending and not memory.put_off
         if due and not memory.put_off:
             memory.probing = True
+            self._deferrable = not put_off
             return self._switch()
         return self._run(mode, WINDOW)
+
+    def _probed_by(self, period: float) -> int:
+        """Batches the probe under way will have measured once the window just ended counts."""
+        return 0 if self._settling else self._probed + self._length
+
+    def _put_off(self) -> tuple[bool, int]:
+        """The epoch ends before the probe begun in it has measured `PEEK` batches: it is put
+        off, as one due at the epoch's end, to after the incumbent's first window of the next
+        epoch. Carried over, it would be weighed there against a figure from this epoch's end
+        (a ramp begins again at its foot)."""
+        memory = self.memory
+        memory.probing = False
+        memory.put_off = True  # still due: it begins after the next epoch's first window
+        self._settling = False
+        return self._switch()
 
     def _changed(self, period: float, level: float, wait: int) -> None:
         """The loop changed, from ``level`` to ``period`` a batch: probe the other mode once

@@ -562,12 +562,35 @@ def test_a_probe_cut_short_by_the_epochs_end_is_decided_on_what_it_measured(
     assert memory.threaded is won
 
 
-def test_a_probe_cut_short_before_it_measured_enough_is_left_to_the_next_epoch() -> None:
+@pytest.mark.parametrize("settling", [True, False])
+def test_a_probe_cut_short_by_the_epochs_end_is_put_off_once_then_left_to_the_next(
+    settling: bool,
+) -> None:
+    # Cut short before it has measured PEEK batches (in its settling window, or in its
+    # measured one), a probe begun in the epoch waits for the incumbent's first window of the
+    # next, as one due at the epoch's end: carried over, it was weighed against a figure from
+    # the epoch's end. Begun right after being put off, it is carried over, or an epoch
+    # shorter than a probe would never finish one.
     memory = Memory()
-    chooser = _probe_of_the_thread(memory)
-    chooser.cut(PEEK - 1)  # the stage ends the measured window with the epoch, short of PEEK
-    assert chooser.window(0.5 * MS, _means(), ending=True) == (True, WINDOW - PEEK + 1)
+    chooser = Chooser(memory)
+    chooser.start()
+    assert chooser.window(1 * MS, _means()) == (True, SETTLE)  # the probe begins
+    if settling:
+        chooser.cut(2)  # the epoch ends in the probe's settling window
+        chooser.window(5 * MS, _means(), ending=True)
+    else:
+        assert chooser.window(5 * MS, _means()) == (True, PEEK)
+        chooser.cut(PEEK - 1)  # the stage ends the measured window with the epoch
+        chooser.window(0.5 * MS, _means(), ending=True)
+    assert not memory.probing
+    assert memory.threaded is False
+    chooser = Chooser(memory)
+    assert chooser.start() == (False, WINDOW)  # the incumbent first
+    assert chooser.window(1 * MS, _means()) == (True, SETTLE)  # then the probe
+    chooser.cut(2)
+    chooser.window(5 * MS, _means(), ending=True)  # cut short again: left to the next epoch
     assert memory.probing
+    assert Chooser(memory).start() == (True, SETTLE)
 
 
 def test_a_probe_slower_within_the_margin_runs_its_whole_window() -> None:
