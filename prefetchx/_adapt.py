@@ -238,7 +238,7 @@ class Chooser:
         """
         memory = self.memory
         period = max(period, TICK_S)  # compared as a ratio below
-        if ending and memory.probing and self._deferrable and self._probed_by(period) < PEEK:
+        if ending and memory.probing and self._deferrable and self._probed_by() < PEEK:
             return self._put_off()
         if self._settling:
             self._settling = False
@@ -291,7 +291,7 @@ class Chooser:
             return self._switch()
         return self._run(mode, WINDOW)
 
-    def _probed_by(self, period: float) -> int:
+    def _probed_by(self) -> int:
         """Batches the probe under way will have measured once the window just ended counts."""
         return 0 if self._settling else self._probed + self._length
 
