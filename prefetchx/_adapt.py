@@ -299,12 +299,13 @@ class Chooser:
         """The epoch ends before the probe begun in it has measured `PEEK` batches: it is put
         off, as one due at the epoch's end, to after the incumbent's first window of the next
         epoch. Carried over, it would be weighed there against a figure from this epoch's end
-        (a ramp begins again at its foot)."""
+        (a ramp begins again at its foot). The stage is not asked to switch back: no batch is
+        left to make in this epoch, and the next starts in the incumbent's mode."""
         memory = self.memory
         memory.probing = False
         memory.put_off = True  # still due: it begins after the next epoch's first window
         self._settling = False
-        return self._switch()
+        return self._run(self.threaded, WINDOW)
 
     def _changed(self, period: float, level: float, wait: int) -> None:
         """The loop changed, from ``level`` to ``period`` a batch: probe the other mode once

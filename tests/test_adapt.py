@@ -577,11 +577,12 @@ def test_a_probe_cut_short_by_the_epochs_end_is_put_off_once_then_left_to_the_ne
     assert chooser.window(1 * MS, _means()) == (True, SETTLE)  # the probe begins
     if settling:
         chooser.cut(2)  # the epoch ends in the probe's settling window
-        chooser.window(5 * MS, _means(), ending=True)
+        answer = chooser.window(5 * MS, _means(), ending=True)
     else:
         assert chooser.window(5 * MS, _means()) == (True, PEEK)
         chooser.cut(PEEK - 1)  # the stage ends the measured window with the epoch
-        chooser.window(0.5 * MS, _means(), ending=True)
+        answer = chooser.window(0.5 * MS, _means(), ending=True)
+    assert answer[0] is True  # no switch asked for with no batch left: the next epoch's to make
     assert not memory.probing
     assert memory.threaded is False
     chooser = Chooser(memory)
