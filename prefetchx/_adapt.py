@@ -203,6 +203,11 @@ class Chooser:
         self._lost = (math.nan, math.nan)
         """After a lost probe, until the incumbent's next measured window: the probe's time per
         batch and the incumbent's last window's before it (see `_lost_to_a_move`)."""
+        self._slowed = False
+        """After a probe lost while the loop slowed, its time per batch under the incumbent's
+        first window after it, that window far off (a move and a step look alike there): until
+        the incumbent's next window, a change that window confirms brings a probe at once, even
+        at a level whose pacing goes on (see `_changed`)."""
 
     @property
     def steady(self) -> bool:
@@ -250,6 +255,7 @@ class Chooser:
             return self._probe(period, ending)
         mode = memory.threaded = self.threaded
         smooth = memory.smooth
+        slowed, self._slowed = self._slowed, False
         if self._grown:  # the incumbent's first window since a lost probe: what it paid too
             self._pace(max(0.0, period / smooth - 1) * self._length)
             self._grown = 0
@@ -264,7 +270,7 @@ class Chooser:
                 return self._run(mode, WINDOW)
             # Two windows far off on the same side: the loop changed. Probe now, against the
             # figure of the window since the change.
-            self._changed(period, smooth, wait=0)
+            self._changed(period, smooth, wait=0, slowed=slowed)
         else:
             memory.held = math.nan
             last, memory.last = memory.last, period
@@ -307,11 +313,19 @@ class Chooser:
         self._settling = False
         return self._run(self.threaded, WINDOW)
 
-    def _changed(self, period: float, level: float, wait: int) -> None:
+    def _changed(self, period: float, level: float, wait: int, slowed: bool = False) -> None:
         """The loop changed, from ``level`` to ``period`` a batch: probe the other mode once
         ``wait`` more windows have been measured (0: at this window's end), unless the loop
         came back to a level it was at before, in the same mode, where the probes were decided
         already: the pacing there goes on where it was.
+
+        Where the loop ``slowed`` to the new level from a probe of the other mode just lost
+        and faster than the loop's first window after it (a ramp climbing through the probe, or
+        a step just after it: the windows cannot tell which), the level's pacing goes on from a
+        probe at once. That loss may have been to the move, and so may the one the level
+        remembers: a ramp begins again each epoch and climbs through its probes the same way,
+        and the grid's numpy ramp kept the loop alone for whole runs, its pacing restored at
+        the ramp's top every epoch from losses to the climb.
 
         Back at the level before the last change, whatever its probes said (an evaluation
         phase; phases of short and long steps). Back at an older one (the nearest, within
@@ -349,6 +363,8 @@ class Chooser:
         if back is not None:
             memory.backoff, memory.since, memory.lost_by = back.backoff, back.since, back.lost_by
             memory.spread = back.stray * period
+            if slowed:  # due by this window's end
+                memory.since = max(memory.since, memory.backoff - 1 - wait)
             return
         memory.spread *= period / level  # its windows stray as much, for their length
         memory.backoff, memory.since = 1, -wait  # counted up to 1 by this window's end
@@ -419,7 +435,8 @@ class Chooser:
         # loop's move is no answer for the level (see `_changed`), however far the move.
         memory = self.memory
         memory.lost_by = min(memory.lost_by, probe / after - 1)
-        if self._far_off(after):
+        if self._far_off(after):  # a move, or a step just after the probe: can't be told here
+            self._slowed = probe < after  # the change it may be comes with a probe
             return False
         level = (before + after) / 2
         return probe < level * (1 - max(MARGIN, self.memory.spread / level))

@@ -24,6 +24,7 @@ from prefetchx._adapt import (
     STRAY,
     WINDOW,
     Chooser,
+    Level,
     Memory,
 )
 
@@ -493,6 +494,42 @@ def test_a_probe_lost_to_a_move_of_the_loop_takes_over_late(after: float, taken:
         chooser.window(5 * MS, _means())  # settling: its queue fills
         chooser.window(1.2 * MS, _means())
         assert memory.smooth == 1.2 * MS
+
+
+@pytest.mark.parametrize(
+    ("after", "probed"),
+    [
+        ([1.5], True),  # the loop slowed on from the probe to the new level: probed there at once
+        ([0.78, 1.5], False),  # it stayed, then changed: back at a level decided, pacing goes on
+        ([0.98], False),  # it slowed, but the probe was slower still: no loss to the move
+    ],
+)
+def test_a_change_right_after_a_probe_lost_while_the_loop_slowed_probes_at_once(
+    after: list[float], probed: bool
+) -> None:
+    # The grid's numpy ramp, as traced on the real loop. Inline, the loop ended the last epoch
+    # at 1.7 ms a batch, where a probe of the thread was lost to the ramp's climb and paced the
+    # next 23 windows away. This epoch climbs again from 0.77 ms; the thread's probe there loses
+    # (1 ms against 0.77) while the loop climbs on (1.5 ms the window after, far off). Back near
+    # 1.7 ms, the level's pacing went on from the loss to the move, and so in every epoch: the
+    # loop alone was kept for whole runs, 13% slower than the thread.
+    memory = Memory()
+    memory.threaded = False
+    memory.levels = [Level(False, 1.7 * MS, 23, 4, 0.02, -0.1)]
+    memory.smooth = memory.reference = memory.last = 0.77 * MS
+    memory.spread = 0.02 * MS
+    chooser = Chooser(memory)
+    assert chooser.start() == (False, WINDOW)
+    assert chooser.window(0.77 * MS, _means()) == (True, SETTLE)  # the probe is due
+    assert chooser.window(0.85 * MS, _means()) == (True, PEEK)
+    assert chooser.window(1.0 * MS, _means()) == (False, SETTLE_INLINE)  # lost at its peek
+    assert chooser.window(1.2 * MS, _means()) == (False, WINDOW)  # settling
+    for period in after:
+        assert chooser.window(period * MS, _means()) == (False, WINDOW)
+    answer = chooser.window(1.6 * MS, _means())  # far off again: the loop changed
+    assert memory.smooth == 1.6 * MS
+    assert memory.backoff == 23  # the level's pacing goes on either way
+    assert answer == ((True, SETTLE) if probed else (False, WINDOW))
 
 
 def test_a_loop_that_moves_steadily_is_followed_epoch_after_epoch() -> None:
