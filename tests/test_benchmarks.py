@@ -1,5 +1,5 @@
-"""The benchmark programs of issue #16, ``benchmarks/grid.py``, ``benchmarks/jpeg_pipeline.py`` and
-``benchmarks/no_work.py``: their quick runs write a table and a JSON record of the expected shape;
+"""The benchmark programs of issue #16 (``benchmarks/grid.py``, ``jpeg_pipeline.py``, ``no_work.py``
+and ``kept_alone.py``): their quick runs write a table and a JSON record of the expected shape;
 the full grid's cells."""
 
 from __future__ import annotations
@@ -381,3 +381,68 @@ def test_the_full_grid_covers_every_cost_kind_worker_count_and_shape() -> None:
 def test_the_grid_measures_a_dataloaders_own_cost_per_batch() -> None:
     grid = _program("grid")
     assert 0 < grid.loader_overhead_ms(0, batches=50) < 50.0
+
+
+def test_the_quick_kept_alone_run_counts_the_epochs_each_chooser_kept_the_loop_alone(
+    tmp_path: Path,
+) -> None:
+    # The chooser of --before never tries the thread (nothing is worth hiding to it), so it
+    # keeps the loop alone in every epoch: what the program counts comes from that chooser.
+    source = (ROOT / "prefetchx" / "_adapt.py").read_text()
+    assert "\nHIDE_AT_LEAST_S = 10e-6\n" in source
+    never = tmp_path / "never.py"
+    never.write_text(source.replace("\nHIDE_AT_LEAST_S = 10e-6\n", "\nHIDE_AT_LEAST_S = 1e9\n"))
+    stem = tmp_path / "kept"
+    done = _run("kept_alone", "--quick", "--before", str(never), "--out", str(stem))
+    assert done.returncode == 0, done.stderr
+    text = Path(f"{stem}.txt").read_text()
+    record = json.loads(Path(f"{stem}.json").read_text())
+    meta = record["meta"]
+    assert meta["commit"] in text.splitlines()[0]
+    assert (meta["runs"], meta["epochs"]) == (2, 3)
+    assert len(record["runs"]) == 2
+    for run in record["runs"]:
+        assert set(run["epochs_s"]) == {"plain", "prefetchx", "thread", "before"}
+        assert all(len(times) == 3 for times in run["epochs_s"].values())
+        assert run["alone"]["before"] == [True] * 3
+    figures = record["figures"]
+    before, ours = figures["before"], figures["prefetchx"]
+    assert (before["alone_epochs"], before["epochs"]) == (4, 4)  # the first of each run left out
+    assert (before["alone_runs"], before["runs"]) == (0, 2)  # 2 counted epochs: under 4 in a row
+    assert 0 <= ours["alone_epochs"] <= ours["epochs"] == 4
+    assert "alone_epochs" not in figures["thread"]
+    for arm in ("plain", "prefetchx", "thread", "before"):
+        assert f"\n{arm} " in text
+    assert figures["plain"]["vs_plain_median"] == 1.0
+    assert f"{ours['alone_epochs']} of 4 epochs" in record["conclusion"]
+    assert record["conclusion"] in text
+
+
+@pytest.mark.parametrize(
+    ("args", "shown"),
+    [
+        (["--epochs", "1"], "argument --epochs: must be >= 2, got 1"),
+        (["--before", "{tmp}/missing.py"], "--before: no file '{tmp}/missing.py'"),
+        (["--before", "{tmp}/empty.py"], "'{tmp}/empty.py' has no Chooser or Memory"),
+    ],
+)
+def test_kept_alone_refuses_a_bad_option_before_anything_runs(
+    args: list[str], shown: str, tmp_path: Path
+) -> None:
+    (tmp_path / "empty.py").write_text("")
+    done = _run("kept_alone", *[a.replace("{tmp}", str(tmp_path)) for a in args])
+    assert done.returncode == 2
+    assert shown.replace("{tmp}", str(tmp_path)) in done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stdout == ""
+
+
+def test_kept_alone_without_the_thread_arm_runs_the_others_alone(tmp_path: Path) -> None:
+    stem = tmp_path / "kept"
+    done = _run("kept_alone", "--quick", "--no-thread", "--out", str(stem))
+    assert done.returncode == 0, done.stderr
+    record = json.loads(Path(f"{stem}.json").read_text())
+    assert record["meta"]["thread"] is False
+    assert set(record["figures"]) == {"plain", "prefetchx"}
+    assert all(set(run["epochs_s"]) == {"plain", "prefetchx"} for run in record["runs"])
+    assert "thread alone" not in record["conclusion"]

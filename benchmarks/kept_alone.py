@@ -1,0 +1,285 @@
+"""How often DataLoaderX keeps your loop alone where a thread is faster, over fresh loaders
+(issue #16).
+
+The grid's numpy ramp without workers climbs in every epoch. Its steps grow from 0 to 2 ms in 8
+levels over about 200 batches, with 200 us of numpy data a batch. A thread is faster there all
+through: 1.13x to 1.16x plain on the 2-core VM. But each probe of the thread runs while the steps
+climb, and a run can keep the loop alone for epoch after epoch. Which way a run goes is settled
+early and by chance, so one cell of the grid (5 rounds in one process) lands either way. This
+program counts it over many runs. ``--shape`` runs the grid's other uneven numpy loops instead:
+``phases`` (64 steps of 20 us, then 64 of 2 ms) or ``bimodal``.
+
+Each run builds fresh loaders of the loop, so each DataLoaderX starts with nothing learnt. It
+times ``--epochs`` epochs of each arm, the arms interleaved and their order alternating:
+
+* ``plain``: DataLoader, the baseline;
+* ``prefetchx``: DataLoaderX;
+* ``thread``: the thread stage over DataLoader with no choice made (``adaptive=False``): what
+  the thread gives (left out with ``--no-thread``: its epochs between the others' change how
+  often a chooser keeps the loop alone, and a training loop has no such arm);
+* ``before`` (with ``--before PATH``): DataLoaderX with its choice made by another copy of
+  ``prefetchx/_adapt.py``, such as the code before a change
+  (``git show REV:prefetchx/_adapt.py > PATH``), measured in the same runs.
+
+A DataLoaderX epoch counts as the loop kept alone when its stage ends the epoch with the loop
+making the batches itself (the incumbent the loader remembers). Figures are taken over the
+epochs after each run's first. For each arm: its throughput over plain's in the same epoch,
+median and mean. For the DataLoaderX arms, also: the share of epochs that kept the loop alone,
+and the runs that kept it `IN_A_ROW` epochs in a row or more.
+
+Usage:
+    python benchmarks/kept_alone.py [--runs 40] [--epochs 8] [--epoch-ms 250] [--shape ramp]
+        [--before PATH] [--no-thread] [--quick] [--out STEM]
+
+``--out benchmarks/results/kept_alone-cpu-2core`` writes ``kept_alone-cpu-2core.txt`` (what it
+prints) and ``kept_alone-cpu-2core.json`` (every epoch's time and mode, the machine, the
+versions and the commit). ``--quick`` is a run of seconds for tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import grid  # benchmarks/grid.py, beside this program
+
+from prefetchx import _thread_stage
+from prefetchx.bench.record import meta_line
+from prefetchx.bench.synthetic import ARMS as LOADERS
+from prefetchx.bench.synthetic import Work, WorkDataset, machine_meta, release, run_epoch
+
+ARMS = {
+    "plain": "DataLoader, the baseline",
+    "prefetchx": "DataLoaderX",
+    "thread": "the thread stage over DataLoader, no choice made (adaptive=False)",
+    "before": "DataLoaderX with the chooser of --before PATH",
+}
+CHOOSERS = ("prefetchx", "before")
+"""The arms whose stage chooses between the thread and the loop."""
+IN_A_ROW = 4
+"""Epochs in a row that keeping the loop alone must last for a run to count as kept alone."""
+MAX_PREFETCH = 2
+
+
+def load_chooser(path: str) -> ModuleType:
+    """A copy of ``prefetchx/_adapt.py`` at ``path``, loaded as a module of its own; a
+    `ValueError` that says why if it cannot be."""
+    if not Path(path).is_file():
+        raise ValueError(f"no file {path!r}")
+    spec = importlib.util.spec_from_file_location("kept_alone_before", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot load {path!r} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    missing = [name for name in ("Chooser", "Memory") if not hasattr(module, name)]
+    if missing:
+        raise ValueError(f"{path!r} has no {' or '.join(missing)}: give a copy of _adapt.py")
+    return module
+
+
+@contextmanager
+def choosing(module: ModuleType | None) -> Iterator[None]:
+    """The thread stage makes its choices with ``module``'s `Chooser` (none: its own)."""
+    saved = _thread_stage.Chooser
+    if module is not None:
+        _thread_stage.Chooser = module.Chooser
+    try:
+        yield
+    finally:
+        _thread_stage.Chooser = saved
+
+
+def the_loop(shape: str, epoch_ms: float) -> grid.Cell:
+    """The grid's numpy loop of steps shaped ``shape``, without workers, its epoch sized to
+    about ``epoch_ms``."""
+    cell = grid.Cell("numpy", 0, grid.SHAPE_DATA_MS, grid.LONG_MS / 2, shape)
+    return grid._sized([cell], epoch_ms, grid.OVERHEAD_MS)[0]
+
+
+def one_run(
+    cell: grid.Cell, epochs: int, before: ModuleType | None, thread: bool = True
+) -> dict[str, Any]:
+    """Fresh loaders of ``cell``, ``epochs`` interleaved epochs of each arm: every epoch's
+    seconds, and for the DataLoaderX arms whether the loop alone ended it."""
+    data, steps = Work(cell.kind, cell.data_ms), grid.Steps(cell.kind, cell.steps_ms())
+    dataset = WorkDataset(cell.batches, data)
+    common = {"batch_size": None, "num_workers": 0, "persistent_workers": False}
+    plain, ours = (LOADERS[arm](dataset, MAX_PREFETCH, common) for arm in ("plain", "prefetchx"))
+    loaders: dict[str, Iterable[Any]] = {"plain": plain, "prefetchx": ours}
+    if thread:
+        forced = grid.ForcedThread(LOADERS["plain"](dataset, MAX_PREFETCH, common), MAX_PREFETCH)
+        loaders["thread"] = forced
+    modules: dict[str, ModuleType | None] = {arm: None for arm in loaders}
+    if before is not None:
+        loaders["before"] = LOADERS["prefetchx"](dataset, MAX_PREFETCH, common)
+        loaders["before"]._pipeline.memory = before.Memory()
+        modules["before"] = before
+    seconds: dict[str, list[float]] = {arm: [] for arm in loaders}
+    alone: dict[str, list[bool]] = {arm: [] for arm in loaders if arm in CHOOSERS}
+    try:
+        for epoch in range(epochs):
+            order = list(loaders) if epoch % 2 == 0 else list(loaders)[::-1]
+            for arm in order:
+                steps.restart()
+                with choosing(modules[arm]):
+                    seconds[arm].append(run_epoch(loaders[arm], steps))
+                if arm in alone:
+                    memory = loaders[arm]._pipeline.memory
+                    alone[arm].append(memory.threaded is False)
+    finally:
+        for loader in loaders.values():
+            release(loader.loader if isinstance(loader, grid.ForcedThread) else loader)
+    return {"epochs_s": seconds, "alone": alone}
+
+
+def longest(flags: list[bool]) -> int:
+    """The longest stretch of ``True`` in ``flags``."""
+    best = now = 0
+    for flag in flags:
+        now = now + 1 if flag else 0
+        best = max(best, now)
+    return best
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each arm's figures over the epochs after each run's first (see the module's doc)."""
+    figures: dict[str, dict[str, Any]] = {}
+    for arm in runs[0]["epochs_s"]:
+        vs_plain = [
+            p / t
+            for run in runs
+            for p, t in zip(run["epochs_s"]["plain"][1:], run["epochs_s"][arm][1:], strict=True)
+        ]
+        figure: dict[str, Any] = {
+            "vs_plain_median": statistics.median(vs_plain),
+            "vs_plain_mean": statistics.fmean(vs_plain),
+        }
+        if arm in CHOOSERS:
+            kept = [run["alone"][arm][1:] for run in runs]
+            figure["alone_epochs"] = sum(map(sum, kept))
+            figure["epochs"] = sum(map(len, kept))
+            figure["alone_runs"] = sum(longest(k) >= IN_A_ROW for k in kept)
+            figure["runs"] = len(kept)
+        figures[arm] = figure
+    return figures
+
+
+def render(meta: dict[str, Any], cell: grid.Cell, figures: dict[str, Any], conclusion: str) -> str:
+    lines = [
+        meta_line(meta),
+        "",
+        f"{cell.label}, {cell.batches} batches an epoch; {meta['runs']} runs of "
+        f"{meta['epochs']} epochs, figures over the epochs after each run's first",
+        "",
+        f"{'arm':<10} {'vs plain':>9} {'mean':>6}  loop kept alone",
+    ]
+    for arm, f in figures.items():
+        kept = ""
+        if "epochs" in f:
+            kept = (
+                f"{f['alone_epochs']}/{f['epochs']} epochs ({f['alone_epochs'] / f['epochs']:.0%}),"
+                f" {f['alone_runs']}/{f['runs']} runs for {IN_A_ROW}+ in a row"
+            )
+        lines.append(
+            f"{arm:<10} {f['vs_plain_median']:>8.3f}x {f['vs_plain_mean']:>6.3f}  {kept}".rstrip()
+        )
+    lines += [
+        "",
+        "vs plain: the arm's throughput over plain's in the same epoch, median; mean: their mean",
+        "loop kept alone: epochs the stage ended with the loop making its batches itself; runs "
+        f"that did so for {IN_A_ROW} epochs in a row or more",
+        "",
+        conclusion,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def conclude(figures: dict[str, Any], quick: bool) -> str:
+    ours = figures["prefetchx"]
+    text = (
+        f"DataLoaderX kept the loop alone in {ours['alone_epochs']} of {ours['epochs']} epochs "
+        f"and in {ours['alone_runs']} of {ours['runs']} runs for {IN_A_ROW} epochs or more, at "
+        f"{ours['vs_plain_median']:.3f}x plain"
+    )
+    if "thread" in figures:
+        text += f" where the thread alone gives {figures['thread']['vs_plain_median']:.3f}x"
+    text += "."
+    if "before" in figures:
+        b = figures["before"]
+        text += (
+            f" The chooser of --before: {b['alone_epochs']} of {b['epochs']} epochs, "
+            f"{b['alone_runs']} of {b['runs']} runs, {b['vs_plain_median']:.3f}x plain."
+        )
+    if quick:
+        text += " (A quick run: too few epochs to conclude from.)"
+    return text
+
+
+def positive(value: str) -> int:
+    """An argparse type: an integer of at least 2 (a run's first epoch is not counted)."""
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 2, got {value!r}") from None
+    if count < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2, got {count}")
+    return count
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--runs", type=positive, default=40, metavar="N")
+    parser.add_argument("--epochs", type=positive, default=8, metavar="N")
+    parser.add_argument("--epoch-ms", type=float, default=250.0, metavar="MS")
+    parser.add_argument(
+        "--shape", choices=grid.SHAPES, default="ramp", help="the steps' shape (default ramp)"
+    )
+    parser.add_argument("--before", metavar="PATH", help="a copy of prefetchx/_adapt.py")
+    parser.add_argument(
+        "--no-thread",
+        action="store_true",
+        help="leave the thread arm out (its epochs between the others change how often a "
+        "chooser keeps the loop alone)",
+    )
+    parser.add_argument("--quick", action="store_true", help="2 runs of 3 short epochs (tests)")
+    parser.add_argument("--out", metavar="STEM", help="write STEM.txt and STEM.json")
+    args = parser.parse_args(argv)
+    if not args.epoch_ms > 0:
+        parser.error(f"--epoch-ms must be above 0, got {args.epoch_ms}")
+    runs, epochs, epoch_ms = (2, 3, 20.0) if args.quick else (args.runs, args.epochs, args.epoch_ms)
+    try:
+        before = load_chooser(args.before) if args.before else None
+    except ValueError as exc:
+        parser.error(f"--before: {exc}")
+    cell = the_loop(args.shape, epoch_ms)
+    meta = {**machine_meta(), "runs": runs, "epochs": epochs, "epoch_ms": epoch_ms}
+    meta |= {"shape": args.shape, "before": args.before, "thread": not args.no_thread}
+    meta["quick"] = args.quick
+    done = []
+    for n in range(runs):
+        done.append(one_run(cell, epochs, before, thread=not args.no_thread))
+        print(f"run {n + 1}/{runs}", file=sys.stderr, flush=True)
+    figures = summarize(done)
+    conclusion = conclude(figures, args.quick)
+    text = render(meta, cell, figures, conclusion)
+    print(text, end="")
+    if args.out:
+        Path(f"{args.out}.txt").write_text(text)
+        record = {"meta": meta, "cell": cell.label, "arms": ARMS, "figures": figures}
+        record |= {"runs": done, "conclusion": conclusion}
+        Path(f"{args.out}.json").write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
