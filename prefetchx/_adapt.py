@@ -170,12 +170,13 @@ class Chooser:
     settling window and a measured one, then keeps whichever was faster; it ends after the
     measured window's first `PEEK` batches if they are slower beyond doubt; a probe lost while
     the loop slowed is weighed again against the incumbent's windows either side of it, and may
-    take over late; a probe due as an epoch ends, or cut short by it before it has measured
-    `PEEK` batches, waits for the incumbent's first window of the next epoch, once, and one
-    begun right after that is left to the next epoch if cut short again. The incumbent's time per
-    batch is smoothed over its windows, so that a loop whose steps vary from batch to batch (a
-    window of 16 random steps is noisy) neither looks like it changed nor loses a comparison to a
-    lucky probe.
+    take over late (where the window after it is too far off to tell a move from a step, the
+    change it confirms brings a probe at once); a probe due as an epoch ends, or cut short by
+    it before it has measured `PEEK` batches, waits for the incumbent's first window of the next
+    epoch, once, and one begun right after that is left to the next epoch if cut short again.
+    The incumbent's time per batch is smoothed over its windows, so that a loop whose steps vary
+    from batch to batch (a window of 16 random steps is noisy) neither looks like it changed nor
+    loses a comparison to a lucky probe.
     """
 
     def __init__(self, memory: Memory) -> None:
