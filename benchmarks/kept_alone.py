@@ -223,7 +223,7 @@ def conclude(figures: dict[str, Any], quick: bool) -> str:
     return text
 
 
-def positive(value: str) -> int:
+def at_least_two(value: str) -> int:
     """An argparse type: an integer of at least 2 (a run's first epoch is not counted)."""
     try:
         count = int(value)
@@ -238,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--runs", type=positive, default=40, metavar="N")
-    parser.add_argument("--epochs", type=positive, default=8, metavar="N")
+    parser.add_argument("--runs", type=at_least_two, default=40, metavar="N")
+    parser.add_argument("--epochs", type=at_least_two, default=8, metavar="N")
     parser.add_argument("--epoch-ms", type=float, default=250.0, metavar="MS")
     parser.add_argument(
         "--shape", choices=grid.SHAPES, default="ramp", help="the steps' shape (default ramp)"

@@ -265,12 +265,13 @@ def test_an_epoch_that_ends_in_a_probe_leaves_it_to_the_next() -> None:
     assert not memory.probing
 
 
-def _due_at_the_next_window() -> Memory:
-    """A loader's memory whose loop runs inline at 1 ms a batch, with a probe of the thread
-    due at the end of the incumbent's next window."""
+def _due_at_the_next_window(period: float = 1 * MS, spread: float = 0.0) -> Memory:
+    """A loader's memory whose loop runs inline at ``period`` a batch, its windows straying
+    ``spread``, with a probe of the thread due at the end of the incumbent's next window."""
     memory = Memory()
     memory.threaded = False
-    memory.smooth = memory.reference = memory.last = 1 * MS
+    memory.smooth = memory.reference = memory.last = period
+    memory.spread = spread
     return memory
 
 
@@ -300,8 +301,7 @@ def test_epochs_of_a_window_or_less_still_hand_over_to_a_faster_thread() -> None
     # The loop runs inline at 2 ms a batch, the thread would at 1 ms; epochs of 10 batches, so
     # each epoch's one measured window (after its first batch) ends it. Put off at every
     # epoch's end, the probe would never run.
-    memory = _due_at_the_next_window()
-    memory.smooth = memory.reference = memory.last = 2 * MS
+    memory = _due_at_the_next_window(2 * MS)
     for _ in range(4):
         chooser = Chooser(memory)
         threaded, length = chooser.start()
@@ -459,11 +459,7 @@ def _lost_probe_of_a_rising_loop() -> Chooser:
     """A chooser whose next window is the loop's first measured one after a probe of the thread
     lost: the loop's last window before it, 1.1 ms a batch, above its figure, 1.025 ms; the
     thread's window 1.05 ms."""
-    memory = Memory()
-    memory.threaded = False
-    memory.smooth = memory.reference = memory.last = 1 * MS
-    memory.spread = 0.05 * MS
-    chooser = Chooser(memory)
+    chooser = Chooser(_due_at_the_next_window(1 * MS, 0.05 * MS))
     assert chooser.start() == (False, WINDOW)
     assert chooser.window(1.1 * MS, _means()) == (True, SETTLE)  # the probe is due
     assert chooser.window(1.1 * MS, _means()) == (True, PEEK)
@@ -513,11 +509,8 @@ def test_a_change_right_after_a_probe_lost_while_the_loop_slowed_probes_at_once(
     # (1 ms against 0.77) while the loop climbs on (1.5 ms the window after, far off). Back near
     # 1.7 ms, the level's pacing went on from the loss to the move, and so in every epoch: the
     # loop alone was kept for whole runs, 13% slower than the thread.
-    memory = Memory()
-    memory.threaded = False
+    memory = _due_at_the_next_window(0.77 * MS, 0.02 * MS)
     memory.levels = [Level(False, 1.7 * MS, 23, 4, 0.02, -0.1)]
-    memory.smooth = memory.reference = memory.last = 0.77 * MS
-    memory.spread = 0.02 * MS
     chooser = Chooser(memory)
     assert chooser.start() == (False, WINDOW)
     assert chooser.window(0.77 * MS, _means()) == (True, SETTLE)  # the probe is due
