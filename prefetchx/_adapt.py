@@ -90,6 +90,12 @@ TICK_S = 1e-9
 LEVELS = 8
 """Levels of the loop remembered with the pacing of their probes (see `Chooser._changed`)."""
 
+LAG = 2 * WINDOW
+"""Batches a change of the loop runs in the mode it left before the stage has seen the change
+and probed, about: the window it began in, held back as a pause (see `STRAY`), and the one
+that confirms it. Where the loop goes back and forth between two levels, it pays that at each
+return (see `Chooser._worth_leaving`)."""
+
 HIDE_AT_LEAST_S = 10e-6
 """Below this, the shorter of the mean step and the mean wait for data (what a thread could
 hide at best, per batch) is less than any hand-off costs: the thread is not worth a probe."""
@@ -107,7 +113,10 @@ class Level(NamedTuple):
     stray: float
     """How far its windows strayed, as a share of ``period``."""
     lost_by: float
-    """How much slower the other mode was in the last probe lost there, as a share; 0 if none."""
+    """How much slower the other mode was in the last probe decided there, as a share; 0 if
+    none, below 0 where the other mode was faster but not worth the switch."""
+    stayed: int = 0
+    """Batches the loop ran there before it left."""
 
 
 class Memory:
@@ -127,7 +136,9 @@ class Memory:
         "since",
         "smooth",
         "spread",
+        "stayed",
         "threaded",
+        "visited",
     )
 
     def __init__(self) -> None:
@@ -155,8 +166,15 @@ class Memory:
         """The time per batch of the incumbent's last window, when it was held back as far off
         (see `STRAY`); NaN when it was not."""
         self.lost_by = 0.0
-        """How much slower the other mode was in the last probe the incumbent won since the
-        loop's last change, as a share of the incumbent's time; 0 if none."""
+        """How much slower the other mode was in the last probe decided since the loop's last
+        change (the probed mode's, where it lost; the incumbent left's, where the probed mode
+        took over), as a share of the incumbent's time; 0 if none, below 0 where the probed
+        mode was faster but kept out (see `Chooser._worth_leaving`)."""
+        self.stayed = 0
+        """Batches since the loop's last change, probes included."""
+        self.visited = 0
+        """Batches the loop ran at its present level the last time it was there; 0 if it
+        was not there before (as far as `levels` remember)."""
         self.levels: list[Level] = []
         """The levels the loop was at before its last `LEVELS` changes, the latest first."""
 
@@ -243,6 +261,7 @@ class Chooser:
                 is put off, once (see `_put_off`).
         """
         memory = self.memory
+        memory.stayed += self._length
         period = max(period, TICK_S)  # compared as a ratio below
         if ending and memory.probing and self._deferrable and self._probed_by() < PEEK:
             return self._put_off()
@@ -340,8 +359,20 @@ class Chooser:
         memory = self.memory
         mode = memory.threaded
         left = Level(
-            mode, level, memory.backoff, memory.since, memory.spread / level, memory.lost_by
+            mode,
+            level,
+            memory.backoff,
+            memory.since,
+            memory.spread / level,
+            memory.lost_by,
+            memory.stayed,
         )
+        seen = min(
+            (known for known in memory.levels if _near(known.period, period)),
+            key=lambda known: abs(period / known.period - 1),
+            default=None,
+        )
+        memory.visited, memory.stayed = (0 if seen is None else seen.stayed), 0
         memory.smooth = memory.reference = memory.last = period
         back = min(
             (
@@ -405,21 +436,50 @@ class Chooser:
         # One window of the probe against the incumbent's smoothed figure: it must win by more
         # than the incumbent's windows stray, or a noisy loop would flip on a lucky window.
         margin = max(MARGIN, memory.spread / incumbent)
-        if period < incumbent * (1 - margin):  # the probe won: it is the incumbent now
+        won = period < incumbent * (1 - margin)
+        if won and self._worth_leaving(period, incumbent):  # it is the incumbent now
             memory.threaded, memory.backoff = self.threaded, (CLEAR_GROWTH if clear else 1)
-            memory.lost_by = 0.0
+            memory.lost_by = incumbent / period - 1
+            memory.spread *= period / incumbent  # its windows stray alike, for their length
             memory.smooth = memory.reference = memory.last = period
             return self._run(self.threaded, WINDOW)
         # What the probe cost, in batches of the incumbent: the next waits until that is at most
         # PROBE_BUDGET of the loop's time since (the settling batches are taken to cost alike).
         settled = SETTLE if self.threaded else SETTLE_INLINE
         self._cost = (period / incumbent - 1) * (self._probed + settled)
-        self._lost = (period, memory.last)
+        # Kept out though faster, it is not weighed again: it was weighed against nothing else.
+        self._lost = (math.nan, math.nan) if won else (period, memory.last)
         memory.lost_by = period / incumbent - 1
         self._grown = (CLEAR_GROWTH if clear else 2) * memory.backoff
         self._pace()
         memory.reference = incumbent
         return self._switch()
+
+    def _worth_leaving(self, period: float, incumbent: float) -> bool:
+        """Whether the probe that beat the incumbent, at ``period`` a batch against
+        ``incumbent``, gains more here than taking over costs where the loop goes back.
+
+        A loop that goes back and forth between two levels (phases of short and long steps)
+        returns to the level before its last change in the mode it took here, and runs there
+        for about `LAG` batches before the stage sees it and probes. Where the incumbent won
+        there, that return costs its win, for those batches; taking over gains the probe's
+        lead for as long as the loop stays here, told from its last visit (or its stay so far,
+        if longer). Phases of 64 batches, the thread winning the long steps' by 0.35 ms a batch
+        and losing the short steps' by 0.05 ms, then keep the thread throughout; phases long
+        enough to pay for the lag are followed. A level not visited before (a warm-up, a
+        ramp's first epoch) is followed. The loss there counts as twice as slow at most: a
+        probe won while the loop moved under it can read as far more.
+        """
+        memory = self.memory
+        if not memory.levels or not memory.visited:
+            return True
+        there = memory.levels[0]
+        # What the incumbent won by there beyond doubt (see `_decide`'s margin).
+        won_by = min(there.lost_by, 1.0) - max(MARGIN, there.stray)
+        if there.threaded != memory.threaded or won_by <= 0:
+            return True
+        gain = (incumbent - period) * max(memory.visited, memory.stayed)
+        return gain > won_by * there.period * LAG
 
     def _lost_to_a_move(self, after: float) -> bool:
         """Whether the probe just lost would have won against the incumbent's windows either

@@ -213,6 +213,63 @@ def test_a_loop_back_at_a_level_whose_winner_differs_probes_again() -> None:
     assert sum(threaded_share[1]) / len(threaded_share[1]) > 0.4
 
 
+def _numpy_phases(phase_windows: int, cycles: int) -> tuple[float, float, float]:
+    """Runs a fresh chooser over phases of short and long steps, ``phase_windows`` windows
+    each, as the grid's numpy loop has them: the short steps' 0.20 ms a batch inline and 0.25
+    threaded, the long steps' 2.2 ms inline and 1.85 threaded. Over the cycles after the
+    first: the loop's time over the thread's throughout, and the share of the short steps'
+    batches and of the long steps' that the thread made."""
+    costs = {0: (0.20 * MS, 0.25 * MS), 1: (2.2 * MS, 1.85 * MS)}
+    chooser = Chooser(Memory())
+    mode, length = chooser.start()
+    done, spent, threaded_only = 0, 0.0, 0.0
+    made = {0: [0, 0], 1: [0, 0]}  # batches the thread made, batches
+    while done < cycles * 2 * phase_windows * WINDOW:
+        phase = done // (phase_windows * WINDOW) % 2
+        period = costs[phase][mode]
+        if done >= 2 * phase_windows * WINDOW:
+            made[phase][0] += length * mode
+            made[phase][1] += length
+            spent += period * length
+            threaded_only += costs[phase][True] * length
+        done += length
+        mode, length = chooser.window(period, _means())
+    return spent / threaded_only, made[0][0] / made[0][1], made[1][0] / made[1][1]
+
+
+def test_phases_too_short_to_follow_keep_the_mode_that_wins_the_long_steps() -> None:
+    # Phases of 64 batches: the thread wins the long steps by 0.35 ms a batch and loses the
+    # short ones by 0.05 ms. Following them, the loop ran each return to the long steps inline
+    # for about two windows before a probe won the thread back: 6% slower than keeping the
+    # thread throughout, the thread making half the long steps' batches.
+    over_thread, _, long_share = _numpy_phases(4, 40)
+    assert over_thread < 1.03  # 1.063 before
+    assert long_share > 0.85  # 0.51 before
+
+
+def test_phases_long_enough_to_pay_for_the_lag_are_followed() -> None:
+    # The same loop in phases of 512 batches: the short steps' 0.05 ms a batch, over the
+    # phase, outweigh the lag at the return to the long ones, and the loop alone makes them.
+    over_thread, short_share, long_share = _numpy_phases(32, 6)
+    assert over_thread < 1.0
+    assert short_share < 0.2
+    assert long_share > 0.85
+
+
+def test_a_probe_that_takes_over_keeps_the_incumbents_stray_as_a_share() -> None:
+    # The loop alone at 2 ms a batch, its windows straying about 4%, the thread at 0.2 ms:
+    # the thread's windows stray alike, about 0.008 ms. Kept at 0.075 ms (over a third of its
+    # time per batch), the stray made windows far off count as noise: in a model of the grid's
+    # numpy phases, a window ten times faster than the figure was counted into it.
+    memory = _due_at_the_next_window(2 * MS, spread=0.1 * MS)
+    chooser = _probe_of_the_thread(memory, inline=2 * MS)
+    share = memory.spread / memory.smooth
+    assert chooser.window(0.2 * MS, _means()) == (True, WINDOW - PEEK)
+    assert chooser.window(0.2 * MS, _means()) == (True, WINDOW)
+    assert memory.threaded is True
+    assert memory.spread == pytest.approx(share * 0.2 * MS)
+
+
 def test_the_next_epoch_starts_with_the_winner() -> None:
     memory = Memory()
     Loop(Chooser(memory), inline=2 * MS, threaded=1 * MS).run(10)
