@@ -402,8 +402,10 @@ class Chooser:
         memory.backoff, memory.since = 1, -wait  # counted up to 1 by this window's end
 
     def cut(self, length: int) -> None:
-        """The stage ends the window just answered sooner, with the epoch: it is ``length``
-        batches long, and a probe counts it as such."""
+        """The window just answered is ``length`` batches long, not what `window` said: the
+        stage ends it sooner, with the epoch, or counts the loop's batches over a longer one
+        (a counted window, where the loop makes its batches fast). A probe counts it as such,
+        and so does the loop's stay at its level (see `_worth_leaving`)."""
         self._length = length
 
     def _probe(self, period: float, ending: bool = False) -> tuple[bool, int]:

@@ -1005,6 +1005,8 @@ class ThreadStage(Iterator[T], Generic[T]):
             self._window = self._coarse_length
             self._due = self._coarse_length - 1
             self._coarse_from = now
+            if self._chooser is not None:
+                self._chooser.cut(self._coarse_length)
             return
         period = (now - self._window_start) / self._window
         chooser = self._chooser

@@ -1255,6 +1255,24 @@ def test_a_loop_under_1_ms_a_batch_is_counted_with_exact_totals(
 
 
 @pytest.mark.adaptive
+def test_the_chooser_is_told_the_batches_of_a_counted_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The chooser weighs how long the loop stays at a level in batches (see
+    # `Chooser._worth_leaving`). Told a window's 16 for each counted window of 400, it took
+    # this loop's 3000 batches for 116.
+    n = 3000
+    clock = _Clock()
+    monkeypatch.setattr("prefetchx._thread_stage.perf_counter", clock)
+    memory = Memory()
+    stage = ThreadStage(_Timed(clock, n, lambda i: 5e-6), max_prefetch=2, _memory=memory)
+    for _ in stage.outlet():
+        clock.now += 45e-6
+    assert stage._coarse_length == 400
+    assert n - 2 * 400 <= memory.stayed <= n
+
+
+@pytest.mark.adaptive
 def test_a_loop_of_1_ms_a_batch_or_more_is_timed_batch_by_batch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
