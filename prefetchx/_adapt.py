@@ -185,7 +185,9 @@ class Chooser:
     `start` says how the epoch begins (after its first batch, always made inline); then each
     `window` is told the loop's time per batch over the window that just ended, and answers
     with the mode and the length of the next window. A probe switches to the other mode for a
-    settling window and a measured one, then keeps whichever was faster; it ends after the
+    settling window and a measured one, then keeps whichever was faster (where the loop goes
+    back and forth between two levels, the faster here only if that pays for the lag at the
+    return, see `_worth_leaving`); it ends after the
     measured window's first `PEEK` batches if they are slower beyond doubt; a probe lost while
     the loop slowed is weighed again against the incumbent's windows either side of it, and may
     take over late (where the window after it is too far off to tell a move from a step, the
@@ -469,8 +471,11 @@ class Chooser:
         if longer). Phases of 64 batches, the thread winning the long steps' by 0.35 ms a batch
         and losing the short steps' by 0.05 ms, then keep the thread throughout; phases long
         enough to pay for the lag are followed. A level not visited before (a warm-up, a
-        ramp's first epoch) is followed. The loss there counts as twice as slow at most: a
-        probe won while the loop moved under it can read as far more.
+        ramp's first epoch) is followed. The other mode's loss there counts less the margin
+        the incumbent had to win by, and as twice as slow at most: a probe won while the loop
+        moved under it can read as far more. `LAG` is the least the return costs: where the
+        loop alone makes its batches under 1 ms, its windows are counted over about 20 ms, and
+        a return is seen later still.
         """
         memory = self.memory
         if not memory.levels or not memory.visited:
