@@ -19,7 +19,7 @@ here is one option, and a depth would be more of them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 WINDOW = 16
@@ -369,23 +369,16 @@ class Chooser:
             memory.lost_by,
             memory.stayed,
         )
-        seen = min(
-            (known for known in memory.levels if _near(known.period, period)),
-            key=lambda known: abs(period / known.period - 1),
-            default=None,
-        )
+        seen = _nearest(memory.levels, period)
         memory.visited, memory.stayed = (0 if seen is None else seen.stayed), 0
         memory.smooth = memory.reference = memory.last = period
-        back = min(
+        back = _nearest(
             (
                 known
                 for n, known in enumerate(memory.levels)
-                if known.threaded == mode
-                and _near(known.period, period)
-                and (n == 0 or known.lost_by > CHANGED)
+                if known.threaded == mode and (n == 0 or known.lost_by > CHANGED)
             ),
-            key=lambda known: abs(period / known.period - 1),
-            default=None,
+            period,
         )
         others = [
             known
@@ -468,8 +461,8 @@ class Chooser:
         for about `LAG` batches before the stage sees it and probes. Where the incumbent won
         there, that return costs its win, for those batches; taking over gains the probe's
         lead for as long as the loop stays here, told from its last visit (or its stay so far,
-        if longer). Phases of 64 batches, the thread winning the long steps' by 0.35 ms a batch
-        and losing the short steps' by 0.05 ms, then keep the thread throughout; phases long
+        if longer). Phases of 64 batches, the thread winning the long steps by 0.35 ms a batch
+        and losing the short ones by 0.05 ms, then keep the thread throughout; phases long
         enough to pay for the lag are followed. A level not visited before (a warm-up, a
         ramp's first epoch) is followed. The other mode's loss there counts less the margin
         the incumbent had to win by, and as twice as slow at most: a probe won while the loop
@@ -544,6 +537,15 @@ class Chooser:
         """The answer: the next window's mode and length, kept to measure the window by."""
         self._length = length
         return threaded, length
+
+
+def _nearest(levels: Iterable[Level], period: float) -> Level | None:
+    """The level of ``levels`` nearest to ``period`` a batch, if one is within `CHANGED`."""
+    return min(
+        (known for known in levels if _near(known.period, period)),
+        key=lambda known: abs(period / known.period - 1),
+        default=None,
+    )
 
 
 def _near(level: float, period: float) -> bool:
