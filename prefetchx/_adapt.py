@@ -351,9 +351,10 @@ class Chooser:
 
         Back at the level before the last change, whatever its probes said (an evaluation
         phase; phases of short and long steps). Back at an older one (the nearest, within
-        `CHANGED`), only if its last probe was lost clearly: slower by more than `CHANGED`
-        than the incumbent's figure and, where the loop slowed meanwhile, than the
-        incumbent's first window after the probe too (see `_lost_to_a_move`). A
+        `CHANGED`), only if its last probe was decided clearly: the other mode, probed or
+        left, slower by more than `CHANGED` than the incumbent and, where a probe was lost
+        while the loop slowed, than the incumbent's first window after it too (see
+        `_lost_to_a_move`). A
         loop that moves steadily passes a level again only after the whole of its move (the
         same ramp in the next epoch), and a narrow loss there, or one to the move, may say
         nothing of the other mode; a clear one does.
