@@ -253,15 +253,53 @@ def test_the_quick_handoff_alone_measures_the_deeper_queues_too(tmp_path: Path) 
 def test_the_quick_jpeg_pipeline_writes_its_table_and_record(tmp_path: Path) -> None:
     pytest.importorskip("PIL")
     stem = tmp_path / "jpeg"
-    text, record = _recorded(stem, _run("jpeg_pipeline", "--quick", "--out", str(stem)))
+    done = _run("jpeg_pipeline", "--quick", "--out", str(stem))
+    text, record = _recorded(stem, done, GRID_ARMS)
     results = record["results"]
     assert [(r["torch_threads"], r["num_workers"]) for r in results] == [(1, 0), (1, 1)]
     for r in results:
-        _paired(r["ratios"])
+        _paired(r["ratios"], GRID_ARMS)
         assert r["verdict"]
         assert r["verdict"] in " ".join(text.split()) or r["verdict"][:40] in text
-    assert record["summary"]["worst"]["configuration"].startswith("JPEG, 1 torch thread")
+    summary = record["summary"]
+    worst = min(results, key=lambda r: r["ratios"]["prefetchx"]["median"])
+    assert summary["worst"]["again"] == worst["ratios"]["again"]
+    assert summary["worst"]["configuration"].startswith("JPEG, 1 torch thread")
+    assert "; plain against itself " in text
     assert "every arm normalizes in its collate_fn" in " ".join(text.split())
+
+
+def _jpeg_result(program: ModuleType, workers: int, **medians: float) -> Any:
+    """A JPEG configuration whose arms read ``medians`` over plain in every one of 5 rounds."""
+    medians = {"plain": 1.0, **medians}
+    spreads = {
+        arm: {"median": m, "low": m, "high": m, "rounds": [m] * 5} for arm, m in medians.items()
+    }
+    return program.JpegResult(1, workers, 32, 5, {}, spreads, medians["prefetchx"], "")
+
+
+def test_the_jpeg_summary_reads_the_noise_and_the_winning_configurations() -> None:
+    jpeg = _program("jpeg_pipeline")
+    results = [
+        _jpeg_result(jpeg, 0, prefetchx=1.20, recipe=1.30, again=0.99),  # winning: 0.923
+        _jpeg_result(jpeg, 1, prefetchx=0.95, recipe=1.01, again=0.90),  # worst; not winning
+        _jpeg_result(jpeg, 2, prefetchx=1.00, recipe=1.05, again=1.02),  # winning: 0.952
+    ]
+    summary, text = jpeg.summarize(results)
+    text = " ".join(text.split())  # as one line, not wrapped
+    assert summary["worst"]["configuration"] == "JPEG, 1 torch thread, 1 worker"
+    assert summary["worst"]["median"] == 0.95
+    assert summary["worst"]["again"]["median"] == 0.90
+    assert summary["noise"]["configuration"] == "JPEG, 1 torch thread, 1 worker"
+    assert summary["winning"] == 2
+    assert summary["winning_worst"]["configuration"] == "JPEG, 1 torch thread, 0 workers"
+    assert summary["winning_worst"]["of_best"] == pytest.approx(1.20 / 1.30)
+    assert "DataLoaderX at 0.923 of the recipe (JPEG, 1 torch thread, 0 workers" in text
+    assert "plain against itself 0.90x (0.90-0.90) there" in text
+    none, text = jpeg.summarize(results[1:2])
+    assert none["winning"] == 0
+    assert none["winning_worst"] is None
+    assert "winning configurations: none" in text
 
 
 @pytest.mark.parametrize("program", ["grid", "jpeg_pipeline"])
