@@ -23,7 +23,9 @@ Usage:
 
 ``--only`` runs the cells whose label (as the table gives it: ``sleep ramp, D 200 us, C 995.2
 us, 0 workers``) matches a regular expression, with the hand-off; with ``--epoch-ms``, it
-measures how a loop's length changes a cell.
+measures how a loop's length changes a cell. A shaped cell's C is the mean of its steps over an
+epoch, whose length is sized from the DataLoader cost this run measures: it can differ from one
+run's table to the next, so match it loosely (``python phases, .*, 2 workers``).
 
 ``--out benchmarks/results/grid-cpu-2core`` writes ``grid-cpu-2core.txt`` (the table, its
 legend and summary) and ``grid-cpu-2core.json`` (every round's times, the machine, the versions
