@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from prefetchx import _engine
 from prefetchx._iterator import Epoch, PrefetchIterator, ends_with_last
 from prefetchx._pipeline import Pipeline
+from prefetchx._producer import settle
 from prefetchx._resume import (
     DatasetSnapshots,
     IndexRecorder,
@@ -31,7 +32,6 @@ from prefetchx._resume import (
     random_generators,
 )
 from prefetchx._stats import EpochStats
-from prefetchx._thread_stage import settle
 
 T_co = TypeVar("T_co", covariant=True)
 

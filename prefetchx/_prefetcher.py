@@ -22,8 +22,8 @@ from prefetchx._loader import (
     accelerate_preparing,
 )
 from prefetchx._pipeline import Pipeline
+from prefetchx._producer import settle
 from prefetchx._stats import EpochStats
-from prefetchx._thread_stage import settle
 
 T = TypeVar("T")
 

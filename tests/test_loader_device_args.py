@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from prefetchx import DataLoaderX, Prefetcher, _thread_stage
+from prefetchx import DataLoaderX, Prefetcher, _producer
 from prefetchx._loader import _refuses_pinning
 from prefetchx._normalize import Normalize
 from prefetchx._pipeline import Pipeline
@@ -184,7 +184,7 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
 
     monkeypatch.setattr(Pipeline, "target", property(lambda self: torch.device("cuda", 0)))
     monkeypatch.setattr(Pipeline, "_side_streams", side_streams)
-    monkeypatch.setattr(_thread_stage, "set_thread_device", lambda device: None)
+    monkeypatch.setattr(_producer, "set_thread_device", lambda device: None)
     return fake
 
 

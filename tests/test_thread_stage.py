@@ -30,7 +30,8 @@ from prefetchx._adapt import (
     Memory,
 )
 from prefetchx._engine import Channel, Failure, Signal
-from prefetchx._thread_stage import COARSE_SPAN_S, COARSE_WINDOW, MAX_PATIENCE, coarse_window
+from prefetchx._producer import MAX_PATIENCE
+from prefetchx._thread_stage import COARSE_SPAN_S, COARSE_WINDOW, coarse_window
 from tests.helpers import Switching, ThreadGate, wait_until
 
 
@@ -624,7 +625,7 @@ def test_the_caller_takes_the_source_back_from_a_thread_that_cannot_run(
     # the case checks the order where both ways of handing the source back can happen.
     monkeypatch.setattr("prefetchx._thread_stage.Chooser", _Counting)
     monkeypatch.setattr(_Counting, "windows", 0)
-    monkeypatch.setattr("prefetchx._thread_stage.PARK_WAIT", 0.0)
+    monkeypatch.setattr("prefetchx._producer.PARK_WAIT", 0.0)
     gate = ThreadGate(monkeypatch)  # the thread cannot make an item
     source = Flaky(60, fail_at={9: ValueError("nine")}, warn_at={12})
     stage = ThreadStage(source, max_prefetch=2, steal=steal)
@@ -694,7 +695,7 @@ def test_a_thread_the_source_was_taken_back_from_is_parked_before_the_caller_goe
     # A thread left trying for the GIL would slow each of the caller's batches: the caller lets
     # go of the GIL until it has parked.
     monkeypatch.setattr("prefetchx._thread_stage.Chooser", _Counting)
-    monkeypatch.setattr("prefetchx._thread_stage.PARK_WAIT", 30.0)
+    monkeypatch.setattr("prefetchx._producer.PARK_WAIT", 30.0)
     gate = ThreadGate(monkeypatch)
     source = Flaky(100)
     stage = ThreadStage(source, max_prefetch=2)
@@ -711,7 +712,7 @@ def test_ctrl_c_while_the_thread_is_let_in_to_park_loses_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr("prefetchx._thread_stage.Chooser", _Counting)
-    monkeypatch.setattr("prefetchx._thread_stage.PARK_WAIT", 30.0)
+    monkeypatch.setattr("prefetchx._producer.PARK_WAIT", 30.0)
     gate = ThreadGate(monkeypatch)  # the thread cannot park until the gate opens
     stage = ThreadStage(iter(range(100)), max_prefetch=2)
     assert [next(stage) for _ in range(5)] == list(range(5))
@@ -1538,7 +1539,7 @@ def test_a_thread_resumed_but_kept_from_running_is_let_in_to_park_again(
     # caller must let it in to park again, or it goes on trying for the GIL, and slowing each
     # batch, long after the switch (before: taken for parked, it was not let in).
     monkeypatch.setattr("prefetchx._thread_stage.Chooser", _Alternating)
-    monkeypatch.setattr("prefetchx._thread_stage.PARK_WAIT", 30.0)
+    monkeypatch.setattr("prefetchx._producer.PARK_WAIT", 30.0)
     stage = ThreadStage(iter(range(100)), max_prefetch=2)
     assert next(stage) == 0
     producer = _started(stage)
