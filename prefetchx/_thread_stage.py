@@ -1,4 +1,8 @@
-"""The thread stage: a background thread keeps up to ``max_prefetch`` outcomes ready."""
+"""The thread stage: a background thread keeps up to ``max_prefetch`` outcomes ready.
+
+This is the consumer's side: the outcomes handed over in order, the windows the loop is timed
+over, the meter, and the switch between the thread and the loop making its own batches. The
+thread itself, and what the process keeps of every such thread, is `prefetchx._producer`."""
 
 from __future__ import annotations
 
