@@ -216,6 +216,25 @@ def test_the_conclusion_is_one_sentence_for_each_outcome() -> None:
         assert sentence.endswith(".")
 
 
+def test_the_conclusion_names_only_loops_it_counted_as_faster_or_slower() -> None:
+    # The lowest median (0.80x) and the highest (2.10x) have rounds on both sides of 1.0: the
+    # sentence counts neither, so it must not quote them as "up to" or "down to".
+    loops = [
+        ("sleep 5/5 ms", _spread(1.9, 1.8, 2.0)),
+        ("noisy high", _spread(2.1, 0.95, 3.0)),
+        ("no work", _spread(0.95, 0.94, 0.98)),
+        ("jpeg noisy", _spread(0.8, 0.68, 1.36)),
+    ]
+    sentence = conclude(loops)
+    assert "faster than a plain DataLoader in 1 of 4 loops (up to 1.90x, sleep 5/5 ms)" in sentence
+    assert "slower in 1 (down to 0.95x, no work)" in sentence
+    only_slower = conclude([("no work", _spread(0.95, 0.94, 0.98)), loops[3]])
+    assert "slower in 1 of 2 loops (down to 0.95x, no work)" in only_slower
+    only_faster = conclude([loops[0], loops[1], loops[3]])
+    assert "in 1 of 3 loops (up to 1.90x, sleep 5/5 ms)" in only_faster
+    assert "slower in none (the lowest 0.80x, jpeg noisy)" in only_faster
+
+
 def test_rows_that_look_alike_say_how_they_differ() -> None:
     for grid in (cli.DEFAULT_GRID, cli.QUICK_GRID):
         seen: dict[tuple[str, float, float], list[Case]] = {}

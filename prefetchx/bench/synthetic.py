@@ -528,16 +528,18 @@ def conclude(
     """
     if not loops:
         return "Nothing was measured."
-    faster = [name for name, s in loops if s.verdict == "faster"]
-    slower = [name for name, s in loops if s.verdict == "slower"]
-    best_name, best = max(loops, key=lambda loop: loop[1].median)
-    worst_name, worst = min(loops, key=lambda loop: loop[1].median)
+    faster = [loop for loop in loops if loop[1].verdict == "faster"]
+    slower = [loop for loop in loops if loop[1].verdict == "slower"]
     n = len(loops)
     where = (
         "On this machine (a --quick run, too short to decide from)"
         if quick
         else ("On this machine")
     )
+    # "Up to" and "down to" quote loops the sentence counted: a loop whose rounds fall on both
+    # sides of 1.0 is neither faster nor slower, however far its median.
+    best_name, best = max(faster or loops, key=lambda loop: loop[1].median)
+    worst_name, worst = min(slower or loops, key=lambda loop: loop[1].median)
     top = f"{best.median:.2f}x, {best_name}"
     bottom = f"{worst.median:.2f}x, {worst_name}"
     if faster and slower:
