@@ -472,7 +472,7 @@ class Chooser:
         a return is seen later still.
         """
         memory = self.memory
-        if not memory.levels or not memory.visited:
+        if not memory.visited:  # set only from a level `levels` held, so it holds one
             return True
         there = memory.levels[0]
         # What the incumbent won by there beyond doubt (see `_decide`'s margin).

@@ -511,7 +511,7 @@ class ThreadStage(Iterator[T], Generic[T]):
         # Runs on close(), on garbage collection of this handle and at interpreter exit; it
         # holds the producer, never this handle, and it never waits.
         self._finalizer = weakref.finalize(self, producer.abandon)
-        self._finalizer.atexit = False  # exit has its own, bounded wait (_at_exit)
+        self._finalizer.atexit = False  # exit has its own, bounded wait (`_producer._at_exit`)
         self._inline = False
 
     def _from_queue(self, make: bool = True) -> Any:
