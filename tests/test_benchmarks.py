@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ARMS = {"plain", "prefetchx", "recipe", "inline", "floor"}
-GRID_ARMS = {*ARMS, "again"}
+GRID_ARMS = {*ARMS, "again", "recipe again"}
 
 
 def _program(name: str) -> ModuleType:
@@ -178,8 +178,12 @@ def test_the_grid_refuses_a_pattern_that_runs_nothing(only: str, says: str) -> N
     assert "cell 1/" not in done.stderr  # refused before any cell ran
 
 
-def _cell(label: str, ours: float, recipe: float = 1.0, again: float = 1.0) -> dict[str, Any]:
+def _cell(
+    label: str, ours: float, recipe: float = 1.0, again: float = 1.0, twin: float | None = None
+) -> dict[str, Any]:
     figures = {"plain": 1.0, "prefetchx": ours, "recipe": recipe, "again": again}
+    if twin is not None:  # the second recipe; records before it have none
+        figures["recipe again"] = twin
     return {
         "label": label,
         "kind": "sleep",
@@ -187,6 +191,17 @@ def _cell(label: str, ours: float, recipe: float = 1.0, again: float = 1.0) -> d
         "ratios": {
             arm: {"median": m, "low": m, "high": m, "rounds": [m] * 5} for arm, m in figures.items()
         },
+    }
+
+
+def _handoff() -> dict[str, Any]:
+    """A hand-off measurement, as the grid's summary reads it."""
+    return {
+        "extra_us_per_batch": {"thread": 20.0, "floor": 10.0, "handed over": 30.0},
+        "switches_per_batch": {"thread": 1.0, "floor": 1.0, "handed over": 2.0},
+        "thread_over_floor": 2.0,
+        "handed_over_over_floor": 3.0,
+        "depths": {},
     }
 
 
@@ -204,13 +219,7 @@ def test_the_grid_reads_a_cell_near_a_target_from_its_second_look() -> None:
     ]
     near["second_look"] = {"ratios": _cell("near", 1.01, again=0.95)["ratios"]}
     behind["second_look"] = {"ratios": _cell("behind", 1.1, recipe=1.3)["ratios"]}
-    handoff = {
-        "extra_us_per_batch": {"thread": 20.0, "floor": 10.0, "handed over": 30.0},
-        "switches_per_batch": {"thread": 1.0, "floor": 1.0, "handed over": 2.0},
-        "thread_over_floor": 2.0,
-        "handed_over_over_floor": 3.0,
-        "depths": {},
-    }
+    handoff = _handoff()
     summary = grid.summarize([near, behind, clear, winning], handoff, 11)
     # Read from the second look: "near" no longer the worst, "behind" further behind.
     assert summary["worst"]["cell"] == "clear"
@@ -227,6 +236,33 @@ def test_the_grid_reads_a_cell_near_a_target_from_its_second_look() -> None:
         "second look: 2 cells, 11 rounds each; at the first look alone, the worst cell 0.97x"
         in (" ".join(text.split()))
     )
+
+
+def test_the_grid_reads_the_winning_cells_target_for_the_recipe_against_itself() -> None:
+    grid = _program("grid")
+    cells = [
+        _cell("a", 1.25, recipe=1.30, twin=1.24),  # DataLoaderX 0.962, the twin 0.954
+        _cell("b", 1.10, recipe=1.10, twin=1.08),  # 1.000 and 0.982
+        _cell("c", 0.99, recipe=1.01, twin=0.90),  # not a winning cell: the twin not read
+    ]
+    handoff = _handoff()
+    summary = grid.summarize(cells, handoff)
+    twin = summary["winning_noise"]
+    assert twin["cell"] == "a"
+    assert twin["of_best"] == pytest.approx(1.24 / 1.30)
+    assert (twin["below_0.97"], twin["cells"]) == (1, 2)
+    assert summary["second_look"]["first_look"]["winning_noise"] == twin
+    text = " ".join(grid.format_summary({**summary, "no_work": None}).split())
+    assert (
+        "0.962 of the best of plain and the recipe (a); 1 below 0.97; the recipe against " in text
+    )
+    assert "itself 0.954 at the lowest (a), 1 below 0.97" in text
+    # A record from before the second recipe reads as it did.
+    for c in cells:
+        del c["ratios"]["recipe again"]
+    before = grid.summarize(cells, handoff)
+    assert before["winning_noise"] is None
+    assert "; the recipe against itself" not in grid.format_summary({**before, "no_work": None})
 
 
 def test_the_quick_handoff_alone_measures_the_deeper_queues_too(tmp_path: Path) -> None:
@@ -281,10 +317,10 @@ def _jpeg_result(program: ModuleType, workers: int, **medians: float) -> Any:
 def test_the_jpeg_summary_reads_the_noise_and_the_winning_configurations() -> None:
     jpeg = _program("jpeg_pipeline")
     results = [
-        _jpeg_result(jpeg, 0, prefetchx=1.20, recipe=1.30, again=0.99),  # winning: 0.923
-        _jpeg_result(jpeg, 1, prefetchx=0.95, recipe=1.01, again=0.90),  # worst; not winning
-        _jpeg_result(jpeg, 2, prefetchx=1.00, recipe=1.05, again=1.02),  # winning: 0.952
-    ]
+        _jpeg_result(jpeg, 0, prefetchx=1.20, recipe=1.30, again=0.99, **{"recipe again": 1.27}),
+        _jpeg_result(jpeg, 1, prefetchx=0.95, recipe=1.01, again=0.90, **{"recipe again": 0.8}),
+        _jpeg_result(jpeg, 2, prefetchx=1.00, recipe=1.05, again=1.02, **{"recipe again": 0.99}),
+    ]  # winning: the first (0.923, the twin 0.977) and the last (0.952, 0.943); the middle worst
     summary, text = jpeg.summarize(results)
     text = " ".join(text.split())  # as one line, not wrapped
     assert summary["worst"]["configuration"] == "JPEG, 1 torch thread, 1 worker"
@@ -296,6 +332,12 @@ def test_the_jpeg_summary_reads_the_noise_and_the_winning_configurations() -> No
     assert summary["winning_worst"]["of_best"] == pytest.approx(1.20 / 1.30)
     assert "DataLoaderX at 0.923 of the recipe (JPEG, 1 torch thread, 0 workers" in text
     assert "plain against itself 0.90x (0.90-0.90) there" in text
+    # The recipe against itself, in the winning configurations only.
+    assert summary["winning_noise"]["configuration"] == "JPEG, 1 torch thread, 2 workers"
+    assert summary["winning_noise"]["of_best"] == pytest.approx(0.99 / 1.05)
+    assert (
+        "; the recipe against itself 0.943 at the lowest (JPEG, 1 torch thread, 2 workers)" in text
+    )
     none, text = jpeg.summarize(results[1:2])
     assert none["winning"] == 0
     assert none["winning_worst"] is None

@@ -192,6 +192,7 @@ ARMS: dict[str, ArmFactory] = {
     "inline": lambda dataset, depth, kw: DataLoaderX(dataset, max_prefetch=0, device="cpu", **kw),
     "floor": lambda dataset, depth, kw: RunAhead(DataLoader(dataset, **kw)),
     "again": lambda dataset, depth, kw: DataLoader(dataset, **kw),
+    "recipe again": lambda dataset, depth, kw: RecipeLoader(dataset, max_prefetch=depth, **kw),
 }
 """How each arm builds its loader from the dataset, the queue depth and DataLoader's arguments."""
 
@@ -206,6 +207,9 @@ ARM_NOTES = {
     "cheapest threaded hand-off, the floor for the threaded arms",
     "again": "a second plain DataLoader, made as the first: plain against itself, so how far its "
     "median strays from 1.00x is the measurement's noise, not a difference",
+    "recipe again": "a second recipe, made as the first: where the recipe wins, how far this "
+    "one's median falls below the best of plain's and the recipe's is the noise of that "
+    "comparison (the best of two noisy medians reads high), not a difference",
 }
 """What each arm is, as the outputs explain it."""
 
