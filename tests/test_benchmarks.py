@@ -246,6 +246,11 @@ def test_the_grid_reads_the_winning_cells_target_for_the_recipe_against_itself()
         _cell("c", 0.99, recipe=1.01, twin=0.90),  # not a winning cell: the twin not read
     ]
     handoff = _handoff()
+    # A winning cell is measured again where either arm reads near the line: "b" for its twin.
+    assert [grid.second_look_due(c) for c in cells] == [True, False, False]
+    cells[1]["ratios"]["recipe again"]["median"] = 1.07  # 0.973
+    assert grid.second_look_due(cells[1])
+    cells[1]["ratios"]["recipe again"]["median"] = 1.08
     summary = grid.summarize(cells, handoff)
     twin = summary["winning_noise"]
     assert twin["cell"] == "a"
