@@ -1,5 +1,5 @@
-"""How often DataLoaderX keeps your loop alone where a thread is faster, over fresh loaders
-(issue #16).
+"""How often DataLoaderX keeps the slower mode of a loop, over fresh loaders: the loop alone
+where a thread is faster, or the thread where the loop alone is (issue #16).
 
 The grid's numpy ramp without workers climbs in every epoch. Its steps grow from 0 to 2 ms in 8
 levels over about 200 batches, with 200 us of numpy data a batch. A thread is faster there all
@@ -8,6 +8,10 @@ climb, and a run can keep the loop alone for epoch after epoch. Which way a run 
 early and by chance, so one cell of the grid (5 rounds in one process) lands either way. This
 program counts it over many runs. ``--shape`` runs the grid's other uneven numpy loops instead:
 ``phases`` (64 steps of 20 us, then 64 of 2 ms) or ``bimodal``.
+
+``--shape python`` runs the mirror: the bench's pure-Python loop, 5 ms of Python in the dataset
+and in the step, where the thread is slower (both hold the GIL) and the fault is a run that keeps
+it. There the program counts the epochs that kept the thread, not the loop alone.
 
 Each run builds fresh loaders of the loop, so each DataLoaderX starts with nothing learnt. It
 times ``--epochs`` epochs of each arm, the arms interleaved and their order alternating:
@@ -22,10 +26,11 @@ times ``--epochs`` epochs of each arm, the arms interleaved and their order alte
   (``git show REV:prefetchx/_adapt.py > PATH``), measured in the same runs.
 
 A DataLoaderX epoch counts as the loop kept alone when its stage ends the epoch with the loop
-making the batches itself (the incumbent the loader remembers). Figures are taken over the
-epochs after each run's first. For each arm: its throughput over plain's in the same epoch,
-median and mean. For the DataLoaderX arms, also: the share of epochs that kept the loop alone,
-and the runs that kept it `IN_A_ROW` epochs in a row or more.
+making the batches itself (the incumbent the loader remembers), and as the thread kept
+otherwise. Figures are taken over the epochs after each run's first. For each arm: its
+throughput over plain's in the same epoch, median and mean. For the DataLoaderX arms, also: the
+share of epochs that kept the slower mode of the loop (the loop alone; the thread with
+``--shape python``), and the runs that kept it `IN_A_ROW` epochs in a row or more.
 
 Usage:
     python benchmarks/kept_alone.py [--runs 40] [--epochs 8] [--epoch-ms 250] [--shape ramp]
@@ -65,8 +70,12 @@ ARMS = {
 CHOOSERS = ("prefetchx", "before")
 """The arms whose stage chooses between the thread and the loop."""
 IN_A_ROW = 4
-"""Epochs in a row that keeping the loop alone must last for a run to count as kept alone."""
+"""Epochs in a row that keeping the slower mode must last for a run to count."""
 MAX_PREFETCH = 2
+PYTHON = "python"
+"""The ``--shape`` of the pure-Python loop, where the loop alone is the faster mode."""
+PYTHON_MS = 5.0
+"""The pure-Python loop's data and step per batch, as in the bench (`prefetchx.bench`)."""
 
 
 def load_chooser(path: str) -> ModuleType:
@@ -98,9 +107,12 @@ def choosing(module: ModuleType | None) -> Iterator[None]:
 
 
 def the_loop(shape: str, epoch_ms: float) -> grid.Cell:
-    """The grid's numpy loop of steps shaped ``shape``, without workers, its epoch sized to
-    about ``epoch_ms``."""
-    cell = grid.Cell("numpy", 0, grid.SHAPE_DATA_MS, grid.LONG_MS / 2, shape)
+    """The grid's numpy loop of steps shaped ``shape``, or with `PYTHON` the pure-Python loop,
+    without workers, its epoch sized to about ``epoch_ms``."""
+    if shape == PYTHON:
+        cell = grid.Cell(PYTHON, 0, PYTHON_MS, PYTHON_MS)
+    else:
+        cell = grid.Cell("numpy", 0, grid.SHAPE_DATA_MS, grid.LONG_MS / 2, shape)
     return grid._sized([cell], epoch_ms, grid.OVERHEAD_MS)[0]
 
 
@@ -164,29 +176,40 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         }
         if arm in CHOOSERS:
             kept = [run["alone"][arm][1:] for run in runs]
+            threaded = [[not alone for alone in k] for k in kept]
             figure["alone_epochs"] = sum(map(sum, kept))
+            figure["thread_epochs"] = sum(map(sum, threaded))
             figure["epochs"] = sum(map(len, kept))
             figure["alone_runs"] = sum(longest(k) >= IN_A_ROW for k in kept)
+            figure["thread_runs"] = sum(longest(t) >= IN_A_ROW for t in threaded)
             figure["runs"] = len(kept)
         figures[arm] = figure
     return figures
 
 
+def counted(shape: str) -> tuple[str, str]:
+    """The slower mode of the loop ``shape``, which the program counts: its figures' prefix,
+    and its name in the text."""
+    return ("thread", "thread kept") if shape == PYTHON else ("alone", "loop kept alone")
+
+
 def render(meta: dict[str, Any], cell: grid.Cell, figures: dict[str, Any], conclusion: str) -> str:
+    mode, name = counted(meta["shape"])
     lines = [
         meta_line(meta),
         "",
         f"{cell.label}, {cell.batches} batches an epoch; {meta['runs']} runs of "
         f"{meta['epochs']} epochs, figures over the epochs after each run's first",
         "",
-        f"{'arm':<10} {'vs plain':>9} {'mean':>6}  loop kept alone",
+        f"{'arm':<10} {'vs plain':>9} {'mean':>6}  {name}",
     ]
     for arm, f in figures.items():
         kept = ""
         if "epochs" in f:
+            n = f[f"{mode}_epochs"]
             kept = (
-                f"{f['alone_epochs']}/{f['epochs']} epochs ({f['alone_epochs'] / f['epochs']:.0%}),"
-                f" {f['alone_runs']}/{f['runs']} runs for {IN_A_ROW}+ in a row"
+                f"{n}/{f['epochs']} epochs ({n / f['epochs']:.0%}),"
+                f" {f[f'{mode}_runs']}/{f['runs']} runs for {IN_A_ROW}+ in a row"
             )
         lines.append(
             f"{arm:<10} {f['vs_plain_median']:>8.3f}x {f['vs_plain_mean']:>6.3f}  {kept}".rstrip()
@@ -194,29 +217,32 @@ def render(meta: dict[str, Any], cell: grid.Cell, figures: dict[str, Any], concl
     lines += [
         "",
         "vs plain: the arm's throughput over plain's in the same epoch, median; mean: their mean",
-        "loop kept alone: epochs the stage ended with the loop making its batches itself; runs "
-        f"that did so for {IN_A_ROW} epochs in a row or more",
+        f"{name}: epochs the stage ended with "
+        + ("its thread making the batches" if mode == "thread" else "the loop making its batches")
+        + f", the slower mode here; runs that did so for {IN_A_ROW} epochs in a row or more",
         "",
         conclusion,
     ]
     return "\n".join(lines) + "\n"
 
 
-def conclude(figures: dict[str, Any], quick: bool) -> str:
+def conclude(figures: dict[str, Any], quick: bool, shape: str = "ramp") -> str:
+    mode, _ = counted(shape)
     ours = figures["prefetchx"]
+    what = "the thread" if mode == "thread" else "the loop alone"
     text = (
-        f"DataLoaderX kept the loop alone in {ours['alone_epochs']} of {ours['epochs']} epochs "
-        f"and in {ours['alone_runs']} of {ours['runs']} runs for {IN_A_ROW} epochs or more, at "
+        f"DataLoaderX kept {what} in {ours[f'{mode}_epochs']} of {ours['epochs']} epochs "
+        f"and in {ours[f'{mode}_runs']} of {ours['runs']} runs for {IN_A_ROW} epochs or more, at "
         f"{ours['vs_plain_median']:.3f}x plain"
     )
     if "thread" in figures:
-        text += f" where the thread alone gives {figures['thread']['vs_plain_median']:.3f}x"
+        text += f" where the thread kept on gives {figures['thread']['vs_plain_median']:.3f}x"
     text += "."
     if "before" in figures:
         b = figures["before"]
         text += (
-            f" The chooser of --before: {b['alone_epochs']} of {b['epochs']} epochs, "
-            f"{b['alone_runs']} of {b['runs']} runs, {b['vs_plain_median']:.3f}x plain."
+            f" The chooser of --before: {b[f'{mode}_epochs']} of {b['epochs']} epochs, "
+            f"{b[f'{mode}_runs']} of {b['runs']} runs, {b['vs_plain_median']:.3f}x plain."
         )
     if quick:
         text += " (A quick run: too few epochs to conclude from.)"
@@ -242,7 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=at_least_two, default=8, metavar="N")
     parser.add_argument("--epoch-ms", type=float, default=250.0, metavar="MS")
     parser.add_argument(
-        "--shape", choices=grid.SHAPES, default="ramp", help="the steps' shape (default ramp)"
+        "--shape",
+        choices=(*grid.SHAPES, PYTHON),
+        default="ramp",
+        help="the numpy steps' shape (default ramp), or python: the pure-Python loop",
     )
     parser.add_argument("--before", metavar="PATH", help="a copy of prefetchx/_adapt.py")
     parser.add_argument(
@@ -270,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         done.append(one_run(cell, epochs, before, thread=not args.no_thread))
         print(f"run {n + 1}/{runs}", file=sys.stderr, flush=True)
     figures = summarize(done)
-    conclusion = conclude(figures, args.quick)
+    conclusion = conclude(figures, args.quick, args.shape)
     text = render(meta, cell, figures, conclusion)
     print(text, end="")
     if args.out:

@@ -503,6 +503,28 @@ def test_the_quick_kept_alone_run_counts_the_epochs_each_chooser_kept_the_loop_a
     assert record["conclusion"] in text
 
 
+def test_kept_alone_counts_the_thread_kept_in_the_pure_python_loop(tmp_path: Path) -> None:
+    # There the loop alone is the faster mode, so the slower one counted is the thread. The
+    # chooser of --before never tries the thread: it kept it in no epoch.
+    source = (ROOT / "prefetchx" / "_adapt.py").read_text()
+    never = tmp_path / "never.py"
+    never.write_text(source.replace("\nHIDE_AT_LEAST_S = 10e-6\n", "\nHIDE_AT_LEAST_S = 1e9\n"))
+    stem = tmp_path / "kept"
+    args = ("--quick", "--shape", "python", "--no-thread", "--before", str(never))
+    done = _run("kept_alone", *args, "--out", str(stem))
+    assert done.returncode == 0, done.stderr
+    text = Path(f"{stem}.txt").read_text()
+    record = json.loads(Path(f"{stem}.json").read_text())
+    assert record["cell"].startswith("python, D 5000 us, C 5000 us, 0 workers")
+    before, ours = record["figures"]["before"], record["figures"]["prefetchx"]
+    assert (before["thread_epochs"], before["alone_epochs"], before["thread_runs"]) == (0, 4, 0)
+    for figures in (before, ours):
+        assert figures["thread_epochs"] + figures["alone_epochs"] == figures["epochs"] == 4
+    assert "  thread kept\n" in text
+    assert f"DataLoaderX kept the thread in {ours['thread_epochs']} of 4 epochs" in text
+    assert "The chooser of --before: 0 of 4 epochs, 0 of 2 runs" in record["conclusion"]
+
+
 @pytest.mark.parametrize(
     ("args", "shown"),
     [
@@ -530,4 +552,4 @@ def test_kept_alone_without_the_thread_arm_runs_the_others_alone(tmp_path: Path)
     assert record["meta"]["thread"] is False
     assert set(record["figures"]) == {"plain", "prefetchx"}
     assert all(set(run["epochs_s"]) == {"plain", "prefetchx"} for run in record["runs"])
-    assert "thread alone" not in record["conclusion"]
+    assert "thread kept on" not in record["conclusion"]
