@@ -87,10 +87,9 @@ SECOND_LOOK_ARMS = ("plain", "prefetchx", "recipe", "again", "recipe again")
 SECOND_LOOK_BELOW = 0.98
 """A cell gets a second look where DataLoaderX reads below this, over plain or, in a winning
 cell, over the best of plain and the recipe (or the second recipe does there): within 1% of the
-targets' 0.97. Five rounds leave a
-cell's median a few percent of noise (plain against itself reads below 0.97 in several cells of
-a run), so a cell near the line is measured again in fresh rounds, and the targets are read
-from that measurement; both are recorded."""
+targets' 0.97. Five rounds leave a cell's median a few percent of noise (plain against itself
+reads below 0.97 in several cells of a run), so a cell near the line is measured again in fresh
+rounds, and the targets are read from that measurement; both are recorded."""
 SECOND_LOOK_ROUNDS = 11
 SECOND_LOOK_EPOCHS = {0: 1, 2: 4}
 """Epochs each arm runs back to back in a round of a cell's second look, by worker count: a
@@ -534,8 +533,8 @@ SUMMARY_NOTES = (
     f"second look: the cells where DataLoaderX read below {SECOND_LOOK_BELOW} at the first look "
     "(over plain, or in a winning cell over the best of plain and the recipe, where the second "
     "recipe reading as low counts too), within 1% of a target, measured again in fresh "
-    "paired rounds of the arms the targets read (with "
-    f"workers, {SECOND_LOOK_EPOCHS[2]} epochs an arm a round, timed together); the lines "
+    f"paired rounds of the arms the targets read (with workers, {SECOND_LOOK_EPOCHS[2]} epochs "
+    "an arm a round, timed together); the lines "
     "above read those cells from their second look, and this line gives the same figures from "
     "the first look alone",
     "hand-off: a loop with no work and no workers, timed apart: the time per batch above plain's "
