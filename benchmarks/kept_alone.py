@@ -52,7 +52,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import grid  # benchmarks/grid.py, beside this program
 
@@ -187,21 +187,38 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return figures
 
 
-def counted(shape: str) -> tuple[str, str]:
-    """The slower mode of the loop ``shape``, which the program counts: its figures' prefix,
-    and its name in the text."""
-    return ("thread", "thread kept") if shape == PYTHON else ("alone", "loop kept alone")
+class Slower(NamedTuple):
+    """The slower mode of a loop, which the program counts, as its figures and text name it."""
+
+    prefix: str
+    """Of its figures: ``{prefix}_epochs``, ``{prefix}_runs``."""
+    heading: str
+    what: str
+    doing: str
+
+
+SLOWER = {
+    "alone": Slower("alone", "loop kept alone", "the loop alone", "the loop making its batches"),
+    "thread": Slower("thread", "thread kept", "the thread", "its thread making the batches"),
+}
+
+
+def counted(shape: str) -> Slower:
+    """The slower mode of the loop ``shape``: the thread in the pure-Python loop, the loop
+    alone in the numpy ones."""
+    return SLOWER["thread" if shape == PYTHON else "alone"]
 
 
 def render(meta: dict[str, Any], cell: grid.Cell, figures: dict[str, Any], conclusion: str) -> str:
-    mode, name = counted(meta["shape"])
+    slower = counted(meta["shape"])
+    mode = slower.prefix
     lines = [
         meta_line(meta),
         "",
         f"{cell.label}, {cell.batches} batches an epoch; {meta['runs']} runs of "
         f"{meta['epochs']} epochs, figures over the epochs after each run's first",
         "",
-        f"{'arm':<10} {'vs plain':>9} {'mean':>6}  {name}",
+        f"{'arm':<10} {'vs plain':>9} {'mean':>6}  {slower.heading}",
     ]
     for arm, f in figures.items():
         kept = ""
@@ -217,21 +234,20 @@ def render(meta: dict[str, Any], cell: grid.Cell, figures: dict[str, Any], concl
     lines += [
         "",
         "vs plain: the arm's throughput over plain's in the same epoch, median; mean: their mean",
-        f"{name}: epochs the stage ended with "
-        + ("its thread making the batches" if mode == "thread" else "the loop making its batches")
-        + f", the slower mode here; runs that did so for {IN_A_ROW} epochs in a row or more",
+        f"{slower.heading}: epochs the stage ended with {slower.doing}, the slower mode here; "
+        f"runs that did so for {IN_A_ROW} epochs in a row or more",
         "",
         conclusion,
     ]
     return "\n".join(lines) + "\n"
 
 
-def conclude(figures: dict[str, Any], quick: bool, shape: str = "ramp") -> str:
-    mode, _ = counted(shape)
+def conclude(figures: dict[str, Any], quick: bool, shape: str) -> str:
+    slower = counted(shape)
+    mode = slower.prefix
     ours = figures["prefetchx"]
-    what = "the thread" if mode == "thread" else "the loop alone"
     text = (
-        f"DataLoaderX kept {what} in {ours[f'{mode}_epochs']} of {ours['epochs']} epochs "
+        f"DataLoaderX kept {slower.what} in {ours[f'{mode}_epochs']} of {ours['epochs']} epochs "
         f"and in {ours[f'{mode}_runs']} of {ours['runs']} runs for {IN_A_ROW} epochs or more, at "
         f"{ours['vs_plain_median']:.3f}x plain"
     )
