@@ -253,7 +253,7 @@ class Chooser:
         """What the last lost probe cost, in batches of the incumbent's time."""
         self._lost = (math.nan, math.nan)
         """After a lost probe, until the incumbent's next measured window: the probe's time per
-        batch and the incumbent's last window's before it (see `_lost_to_a_move`)."""
+        batch and the incumbent's last window's before it (see `_weigh_again`)."""
         self._slowed = False
         """After a probe lost while the loop slowed, its time per batch under the incumbent's
         first window after it, that window far off (a move and a step look alike there): until
@@ -311,7 +311,7 @@ class Chooser:
         if self._grown:  # the incumbent's first window since a lost probe: what it paid too
             self._pace((period / smooth - 1) * self._length)
             self._grown = 0
-            if self._lost_to_a_move(period):
+            if self._weigh_again(period):
                 return self._take_over()
         if math.isnan(smooth):
             memory.smooth = memory.reference = memory.last = period
@@ -386,10 +386,9 @@ class Chooser:
         `CHANGED`), only if its last probe was decided clearly: the other mode, probed or
         left, slower by more than `CHANGED` than the incumbent and, where a probe was lost
         while the loop slowed, than the incumbent's first window after it too (see
-        `_lost_to_a_move`). A
-        loop that moves steadily passes a level again only after the whole of its move (the
-        same ramp in the next epoch), and a narrow loss there, or one to the move, may say
-        nothing of the other mode; a clear one does.
+        `_weigh_again`). A loop that moves steadily passes a level again only after the whole
+        of its move (the same ramp in the next epoch), and a narrow loss there, or one to the
+        move, may say nothing of the other mode; a clear one does.
         """
         memory = self.memory
         mode = memory.threaded
@@ -453,7 +452,7 @@ class Chooser:
         period = self._probed_s / self._probed
         if self._probed < WINDOW and not (ending and self._probed >= PEEK):
             memory = self.memory
-            noise = self._stray(probed=True) * memory.smooth * math.sqrt(WINDOW / self._probed)
+            noise = self._noise() * memory.smooth * math.sqrt(WINDOW / self._probed)
             if period <= memory.smooth * (1 + MARGIN) + 2 * noise:
                 return self._run(self.threaded, WINDOW - self._probed)
         return self._decide(period)
@@ -467,12 +466,7 @@ class Chooser:
         memory.held = math.nan
         incumbent = memory.smooth
         clear = max(period, incumbent) > (1 + CHANGED) * min(period, incumbent)
-        # As far as `CHANGED` at most: a probe the loop moved under (a phase that ended in it)
-        # can read as many times slower, and would outweigh every probe before it.
-        bound = math.log(1 + CHANGED)
-        outcome = min(max(math.log(period / incumbent), -bound), bound)
-        memory.evidence = [*memory.evidence, outcome if self.threaded else -outcome][-EVIDENCE:]
-        told = _told(memory.evidence)
+        told = _told(memory.evidence)  # the probes before this one
         # One window of the probe against the incumbent's smoothed figure: it must win by more
         # than the two stray, or a noisy loop would flip on a lucky window, unless it won
         # clearly or the probes at this level together say otherwise. Together, they tell
@@ -482,6 +476,7 @@ class Chooser:
         won = period < incumbent * (1 - margin) and (clear or not doubt)
         won = won or told is self.threaded
         if won and self._worth_leaving(period, incumbent):  # it is the incumbent now
+            self._record(period, incumbent, self.threaded)  # no window after it to weigh it by
             memory.threaded, memory.backoff = self.threaded, (CLEAR_GROWTH if clear else 1)
             memory.lost_by = incumbent / period - 1
             memory.unsure = True  # a lucky window wins more often than its mode's mean would
@@ -492,15 +487,15 @@ class Chooser:
         # PROBE_BUDGET of the loop's time since (the settling batches are taken to cost alike).
         settled = SETTLE if self.threaded else SETTLE_INLINE
         self._cost = (period / incumbent - 1) * (self._probed + settled)
-        # Kept out though faster, it is not weighed again: it was weighed against nothing else,
-        # or what kept it out holds as much against the windows either side.
-        self._lost = (math.nan, math.nan) if won or doubt else (period, memory.last)
+        # Weighed again against the incumbent's windows either side, which is where its outcome
+        # is told (see `_weigh_again`); kept out though faster, it lost to the return's lag.
+        self._lost = (math.nan, math.nan) if won else (period, memory.last)
         memory.lost_by = period / incumbent - 1
-        # Lost to doubt alone where the probes so far lean to the probed mode: the next comes
-        # as soon, as they may tell it faster, and cost nothing where it is. (Kept out though
-        # faster, it lost to the return's lag, not to doubt.)
-        evidence = sum(memory.evidence)
-        lean = not (won or clear) and (evidence < 0 if self.threaded else evidence > 0)
+        # Lost to doubt alone where the probes so far lean to the probed mode, this one as
+        # told here: the next comes as soon, as they may tell it faster, and cost nothing where
+        # it is.
+        toward = (1 if self.threaded else -1) * sum(memory.evidence)  # below 0: to the probed
+        lean = not (won or clear) and toward + math.log(period / incumbent) < 0
         if lean:
             self._cost = math.nan
         self._grown = 1 if lean else (CLEAR_GROWTH if clear else 2) * memory.backoff
@@ -537,26 +532,51 @@ class Chooser:
         gain = (incumbent - period) * max(memory.visited, memory.stayed)
         return gain > won_by * there.period * LAG
 
-    def _lost_to_a_move(self, after: float) -> bool:
-        """Whether the probe just lost would have won against the incumbent's windows either
-        side of it, ``after`` a batch being the first since: the loop slowed while the probe
-        ran (a warm-up, growing steps), so the figure it was weighed against was from the past.
-        The mean of the windows either side takes a steady move out, as the smoothed figure,
-        which trails such a loop by about three windows' move, cannot. Where the loop slowed,
-        the loss the level remembers (``lost_by``) is capped by the probe's against ``after``."""
+    def _weigh_again(self, after: float) -> bool:
+        """Whether the probe just lost takes over after all, weighed against the incumbent's
+        windows either side of it, ``after`` a batch being the first since. Its outcome is told
+        there (see `_record`), and the probes' outcomes together may say it is faster.
+
+        Where the loop slowed while the probe ran (a warm-up, growing steps), the figure it was
+        weighed against was from the past: it takes over if it beats the mean of the windows
+        either side by the margin. That mean takes a steady move out, as the smoothed figure,
+        which trails such a loop by about three windows' move, cannot; so do the outcomes,
+        which told from the figure would blame the move on the probed mode. Where the loop
+        slowed, the loss the level remembers (``lost_by``) is capped by the probe's against
+        ``after``. Where ``after`` is far off (a move, or a step just after the probe), nothing
+        can be told, and no outcome is kept."""
         probe, before = self._lost
         self._lost = (math.nan, math.nan)
-        if not before < after:  # NaN: no probe lost
+        if math.isnan(before):  # no probe lost, or one kept out though faster
             return False
-        # Lost by as much as it is slower than the incumbent after it, at most: a loss to the
-        # loop's move is no answer for the level (see `_changed`), however far the move.
         memory = self.memory
-        memory.lost_by = min(memory.lost_by, probe / after - 1)
-        if self._far_off(after):  # a move, or a step just after the probe: can't be told here
-            self._slowed = probe < after  # the change it may be comes with a probe
+        slowed = before < after
+        if slowed:
+            # Lost by as much as it is slower than the incumbent after it, at most: a loss to
+            # the loop's move is no answer for the level (see `_changed`), however far the move.
+            memory.lost_by = min(memory.lost_by, probe / after - 1)
+        if self._far_off(after):
+            self._slowed = slowed and probe < after  # the change it may be comes with a probe
             return False
         level = (before + after) / 2
+        probed = not self.threaded
+        self._record(probe, level, probed)
+        told = _told(memory.evidence)
+        if told is not None:
+            return told is probed
+        if memory.unsure or not slowed:
+            return False
         return probe < level * (1 - max(MARGIN, self._noise()))
+
+    def _record(self, probe: float, against: float, threaded: bool) -> None:
+        """Keep a probe's outcome, its time per batch ``probe`` against the incumbent's
+        ``against``, as the log of the thread's over the loop's (``threaded``: the thread was
+        probed). As far as `CHANGED` at most: a probe the loop moved under (a phase that ended
+        in it) can read as many times slower, and would outweigh every probe before it."""
+        bound = math.log(1 + CHANGED)
+        outcome = min(max(math.log(probe / against), -bound), bound)
+        evidence = self.memory.evidence
+        self.memory.evidence = [*evidence, outcome if threaded else -outcome][-EVIDENCE:]
 
     def _stray(self, probed: bool) -> float:
         """How far a window of the probed mode (or of the incumbent) strays at random, as a
@@ -566,12 +586,14 @@ class Chooser:
         return memory.other_stray if probed and not math.isnan(memory.other_stray) else own
 
     def _noise(self) -> float:
-        """How far a probe's window and the incumbent's smoothed figure differ at random, as a
-        share: the window strays as its mode's do, the figure, an average of about 4 windows,
-        by sqrt(`SMOOTHING` / (2 - `SMOOTHING`)) as far as the incumbent's. A probe of a mode
-        whose windows stray 14% against one whose stray 6% must win by 14%; the other way, 8%."""
-        share = SMOOTHING / (2 - SMOOTHING)
-        return math.sqrt(self._stray(probed=True) ** 2 + share * self._stray(probed=False) ** 2)
+        """How far a probe's window and the incumbent's figure differ at random, as a share:
+        the window strays as its mode's windows do, and the figure as the incumbent's do. The
+        figure averages about 4 windows, but where the loop moves (a warm-up, a ramp) the
+        incumbent's stray holds the move, which the probe's window meets on top of its own
+        noise: it counts whole. Between a mode whose windows stray 14% and one whose stray 6%,
+        either way, a probe must win by 15%. Counted as a seventh, the grid's numpy ramp kept
+        the loop alone in half as many epochs again: probes of the thread lost to the climb."""
+        return math.hypot(self._stray(probed=True), self._stray(probed=False))
 
     def _swap_strays(self, period: float) -> None:
         """The probed mode takes over at ``period`` a batch: its windows stray as far as when

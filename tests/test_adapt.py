@@ -561,9 +561,9 @@ def _lost_probe_of_a_rising_loop() -> Chooser:
     ("after", "taken"),
     [
         (1.25, True),  # the loop moved on while the probe ran: 1.175 ms about it; 10.6% faster
-        (1.14, True),  # 1.12 ms about it: the thread 6.3% faster, beyond how far it and the
-        # figure differ at random (5.9%, the thread taken to stray as the loop alone does)
-        (1.12, False),  # 1.11 ms about it: 5.4% faster, within that
+        (1.2, True),  # 1.15 ms about it: the thread 8.7% faster, beyond how far it and the
+        # figure differ at random (7.8%, the thread taken to stray as the loop alone does)
+        (1.14, False),  # 1.12 ms about it: 6.3% faster, within that
         (1.0, False),  # no move up: the figure it lost to was not from the past
         (2.0, False),  # far off: a pause of the machine, or a change of the loop, not a move
     ],
@@ -767,7 +767,10 @@ def test_a_lucky_window_does_not_take_over_against_what_the_probes_told() -> Non
     chooser.window(0.95 * MS, _means())
     assert chooser.window(0.95 * MS, _means()) == (False, SETTLE_INLINE)
     assert memory.threaded is False
-    assert len(memory.evidence) == 7
+    chooser.window(1 * MS, _means())  # settling
+    assert chooser.window(1 * MS, _means()) == (False, WINDOW)  # weighed again: not taken
+    assert len(memory.evidence) == 7  # its outcome, told against the windows either side
+    assert memory.evidence[-1] == pytest.approx(math.log(0.95))
 
 
 def test_a_clear_win_takes_over_whatever_the_probes_told() -> None:
@@ -816,7 +819,7 @@ def test_probes_together_send_back_a_thread_slower_by_less_than_its_windows_stra
     # Pure Python on both sides of the thread: its windows stray 14% and it is 6% slower than
     # the loop alone, whose windows stray 6%. Over 100 loops of 400 windows (seeded) that start
     # threaded, with a figure from a lucky window, the loop returns for good in most: the
-    # thread runs 11% of the windows, and 3 loops end threaded. Before the probes were weighed
+    # thread runs 15% of the windows, and 5 loops end threaded. Before the probes were weighed
     # together, 22% and 14: no probe of the loop alone beat the thread's stray by itself.
     shares, ended = [], 0
     for seed in range(100):
@@ -835,7 +838,7 @@ def test_probes_together_send_back_a_thread_slower_by_less_than_its_windows_stra
             threaded, length = chooser.window(period, _means())
         shares.append(batches[True] / sum(batches))
         ended += memory.threaded is True
-    assert sum(shares) / len(shares) < 0.15
+    assert sum(shares) / len(shares) < 0.18
     assert ended <= 8
 
 
