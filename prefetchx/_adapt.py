@@ -96,15 +96,6 @@ and probed, about: the window it began in, held back as a pause (see `STRAY`), a
 that confirms it. Where the loop goes back and forth between two levels, it pays that at each
 return (see `Chooser._worth_leaving`)."""
 
-EVIDENCE = 32
-"""Probes at a level whose outcomes are weighed together, the latest (see `_told`)."""
-
-AT_LEAST = 4
-"""Probes at a level before their outcomes together may decide."""
-
-LEAST_GAIN = 0.01
-"""A mode shown faster by less than this share, however surely, is not worth a switch."""
-
 HIDE_AT_LEAST_S = 10e-6
 """Below this, the shorter of the mean step and the mean wait for data (what a thread could
 hide at best, per batch) is less than any hand-off costs: the thread is not worth a probe."""
@@ -126,8 +117,6 @@ class Level(NamedTuple):
     none, below 0 where the other mode was faster but not worth the switch."""
     stayed: int = 0
     """Batches the loop ran there before it left."""
-    evidence: tuple[float, ...] = ()
-    """The outcomes of its probes (see `Memory.evidence`)."""
 
 
 class Memory:
@@ -137,12 +126,10 @@ class Memory:
 
     __slots__ = (
         "backoff",
-        "evidence",
         "held",
         "last",
         "levels",
         "lost_by",
-        "other_stray",
         "probing",
         "put_off",
         "reference",
@@ -151,7 +138,6 @@ class Memory:
         "spread",
         "stayed",
         "threaded",
-        "unsure",
         "visited",
     )
 
@@ -171,21 +157,11 @@ class Memory:
         self.spread = 0.0
         """How far the incumbent's windows stray from ``smooth`` at random, smoothed alike:
         told from how far each differs from the one before it (see `STEP_TO_STRAY`)."""
-        self.other_stray = math.nan
-        """How far the other mode's windows strayed, as a share of its time per batch, when it
-        was last the incumbent; NaN if it never was. A probe of it is one of its windows: it
-        strays as far (see `Chooser._noise`)."""
         self.last = math.nan
         """The time per batch of the incumbent's last window counted into ``smooth``, or of
         the window ``smooth`` was last set from; NaN before the first."""
         self.reference = math.nan
         """``smooth`` when it was last decided or seen to change."""
-        self.unsure = False
-        """Whether the incumbent's figure is from one window that may be off by chance, which
-        its next whole window replaces: the window of a probe that won (a lucky window wins
-        more often than its mode's mean would), or the loop's first 4 batches. After those,
-        nothing yet says how far its windows stray: a probe must win clearly (by `CHANGED`),
-        or 4 batches a little slow by chance hand it over."""
         self.held = math.nan
         """The time per batch of the incumbent's last window, when it was held back as far off
         (see `STRAY`); NaN when it was not."""
@@ -199,10 +175,6 @@ class Memory:
         self.visited = 0
         """Batches the loop ran at its present level the last time it was there; 0 if it
         was not there before (as far as `levels` remember)."""
-        self.evidence: list[float] = []
-        """The outcomes of the last `EVIDENCE` probes decided at the loop's present level,
-        each the log of the thread's time per batch over the loop's (the probed mode's over
-        the incumbent's figure, the sign set so): see `Chooser._decide`."""
         self.levels: list[Level] = []
         """The levels the loop was at before its last `LEVELS` changes, the latest first."""
 
@@ -224,9 +196,7 @@ class Chooser:
     epoch, once, and one begun right after that is left to the next epoch if cut short again.
     The incumbent's time per batch is smoothed over its windows, so that a loop whose steps vary
     from batch to batch (a window of 16 random steps is noisy) neither looks like it changed nor
-    loses a comparison to a lucky probe; a probe must beat it by more than the two differ at
-    random (see `_noise`). The probes' outcomes at a level are weighed together too (see
-    `_told`): modes closer than one window can tell apart are told apart over several probes.
+    loses a comparison to a lucky probe.
     """
 
     def __init__(self, memory: Memory) -> None:
@@ -253,7 +223,7 @@ class Chooser:
         """What the last lost probe cost, in batches of the incumbent's time."""
         self._lost = (math.nan, math.nan)
         """After a lost probe, until the incumbent's next measured window: the probe's time per
-        batch and the incumbent's last window's before it (see `_weigh_again`)."""
+        batch and the incumbent's last window's before it (see `_lost_to_a_move`)."""
         self._slowed = False
         """After a probe lost while the loop slowed, its time per batch under the incumbent's
         first window after it, that window far off (a move and a step look alike there): until
@@ -309,13 +279,12 @@ class Chooser:
         smooth = memory.smooth
         slowed, self._slowed = self._slowed, False
         if self._grown:  # the incumbent's first window since a lost probe: what it paid too
-            self._pace((period / smooth - 1) * self._length)
+            self._pace(max(0.0, period / smooth - 1) * self._length)
             self._grown = 0
-            if self._weigh_again(period):
+            if self._lost_to_a_move(period):
                 return self._take_over()
         if math.isnan(smooth):
             memory.smooth = memory.reference = memory.last = period
-            memory.unsure = not memory.spread
         elif self._far_off(period):
             held, memory.held = memory.held, math.nan
             if math.isnan(held) or (held > smooth) != (period > smooth):
@@ -325,15 +294,14 @@ class Chooser:
             # figure of the window since the change.
             self._changed(period, smooth, wait=0, slowed=slowed)
         else:
-            unsure, memory.held, memory.unsure = memory.unsure, math.nan, False
+            memory.held = math.nan
             last, memory.last = memory.last, period
             # From the figure where no window came before it (a figure set from outside).
             stray = abs(period - smooth) if math.isnan(last) else STEP_TO_STRAY * abs(period - last)
             # The first stray is taken whole: from nothing, a loop's first windows would pass
             # for calm, and hold back as pauses windows that only vary as its windows do.
             memory.spread += (stray - memory.spread) * (SMOOTHING if memory.spread else 1.0)
-            # A figure from the loop's first batches alone gives way to the first whole window.
-            memory.smooth = smooth = smooth + (period - smooth) * (1.0 if unsure else SMOOTHING)
+            memory.smooth = smooth = smooth + (period - smooth) * SMOOTHING
             if abs(smooth / memory.reference - 1) > CHANGED:
                 # The loop changed by steps: probe again after one more window, against a
                 # figure from the two windows since the change, not one that still lags behind.
@@ -386,9 +354,10 @@ class Chooser:
         `CHANGED`), only if its last probe was decided clearly: the other mode, probed or
         left, slower by more than `CHANGED` than the incumbent and, where a probe was lost
         while the loop slowed, than the incumbent's first window after it too (see
-        `_weigh_again`). A loop that moves steadily passes a level again only after the whole
-        of its move (the same ramp in the next epoch), and a narrow loss there, or one to the
-        move, may say nothing of the other mode; a clear one does.
+        `_lost_to_a_move`). A
+        loop that moves steadily passes a level again only after the whole of its move (the
+        same ramp in the next epoch), and a narrow loss there, or one to the move, may say
+        nothing of the other mode; a clear one does.
         """
         memory = self.memory
         mode = memory.threaded
@@ -400,12 +369,10 @@ class Chooser:
             memory.spread / level,
             memory.lost_by,
             memory.stayed,
-            tuple(memory.evidence),
         )
         seen = _nearest(memory.levels, period)
         memory.visited, memory.stayed = (0 if seen is None else seen.stayed), 0
         memory.smooth = memory.reference = memory.last = period
-        memory.unsure = False
         back = _nearest(
             (
                 known
@@ -421,10 +388,8 @@ class Chooser:
         ]
         memory.levels = [left, *others][:LEVELS]  # the level left, as it stands now
         memory.lost_by = 0.0
-        memory.evidence = []
         if back is not None:
             memory.backoff, memory.since, memory.lost_by = back.backoff, back.since, back.lost_by
-            memory.evidence = list(back.evidence)
             memory.spread = back.stray * period
             if slowed:  # due by this window's end
                 memory.since = max(memory.since, memory.backoff - 1 - wait)
@@ -452,7 +417,7 @@ class Chooser:
         period = self._probed_s / self._probed
         if self._probed < WINDOW and not (ending and self._probed >= PEEK):
             memory = self.memory
-            noise = self._noise() * memory.smooth * math.sqrt(WINDOW / self._probed)
+            noise = memory.spread * math.sqrt(WINDOW / self._probed)
             if period <= memory.smooth * (1 + MARGIN) + 2 * noise:
                 return self._run(self.threaded, WINDOW - self._probed)
         return self._decide(period)
@@ -466,39 +431,24 @@ class Chooser:
         memory.held = math.nan
         incumbent = memory.smooth
         clear = max(period, incumbent) > (1 + CHANGED) * min(period, incumbent)
-        told = _told(memory.evidence)  # the probes before this one
         # One window of the probe against the incumbent's smoothed figure: it must win by more
-        # than the two stray, or a noisy loop would flip on a lucky window, unless it won
-        # clearly or the probes at this level together say otherwise. Together, they tell
-        # apart modes closer than one window can (a thread 6% slower, its windows straying 14%).
-        margin = max(MARGIN, self._noise())
-        doubt = memory.unsure or told is (not self.threaded)
-        won = period < incumbent * (1 - margin) and (clear or not doubt)
-        won = won or told is self.threaded
+        # than the incumbent's windows stray, or a noisy loop would flip on a lucky window.
+        margin = max(MARGIN, memory.spread / incumbent)
+        won = period < incumbent * (1 - margin)
         if won and self._worth_leaving(period, incumbent):  # it is the incumbent now
-            self._record(period, incumbent, self.threaded)  # no window after it to weigh it by
             memory.threaded, memory.backoff = self.threaded, (CLEAR_GROWTH if clear else 1)
             memory.lost_by = incumbent / period - 1
-            memory.unsure = True  # a lucky window wins more often than its mode's mean would
-            self._swap_strays(period)
+            memory.spread *= period / incumbent  # its windows stray alike, for their length
             memory.smooth = memory.reference = memory.last = period
             return self._run(self.threaded, WINDOW)
         # What the probe cost, in batches of the incumbent: the next waits until that is at most
         # PROBE_BUDGET of the loop's time since (the settling batches are taken to cost alike).
         settled = SETTLE if self.threaded else SETTLE_INLINE
         self._cost = (period / incumbent - 1) * (self._probed + settled)
-        # Weighed again against the incumbent's windows either side, which is where its outcome
-        # is told (see `_weigh_again`); kept out though faster, it lost to the return's lag.
+        # Kept out though faster, it is not weighed again: it was weighed against nothing else.
         self._lost = (math.nan, math.nan) if won else (period, memory.last)
         memory.lost_by = period / incumbent - 1
-        # Lost to doubt alone where the probes so far lean to the probed mode, this one as
-        # told here: the next comes as soon, as they may tell it faster, and cost nothing where
-        # it is.
-        toward = (1 if self.threaded else -1) * sum(memory.evidence)  # below 0: to the probed
-        lean = not (won or clear) and toward + math.log(period / incumbent) < 0
-        if lean:
-            self._cost = math.nan
-        self._grown = 1 if lean else (CLEAR_GROWTH if clear else 2) * memory.backoff
+        self._grown = (CLEAR_GROWTH if clear else 2) * memory.backoff
         self._pace()
         memory.reference = incumbent
         return self._switch()
@@ -532,77 +482,26 @@ class Chooser:
         gain = (incumbent - period) * max(memory.visited, memory.stayed)
         return gain > won_by * there.period * LAG
 
-    def _weigh_again(self, after: float) -> bool:
-        """Whether the probe just lost takes over after all, weighed against the incumbent's
-        windows either side of it, ``after`` a batch being the first since. Its outcome is told
-        there (see `_record`), and the probes' outcomes together may say it is faster.
-
-        Where the loop slowed while the probe ran (a warm-up, growing steps), the figure it was
-        weighed against was from the past: it takes over if it beats the mean of the windows
-        either side by the margin. That mean takes a steady move out, as the smoothed figure,
-        which trails such a loop by about three windows' move, cannot; so do the outcomes,
-        which told from the figure would blame the move on the probed mode. Where the loop
-        slowed, the loss the level remembers (``lost_by``) is capped by the probe's against
-        ``after``. Where ``after`` is far off (a move, or a step just after the probe), nothing
-        can be told, and no outcome is kept."""
+    def _lost_to_a_move(self, after: float) -> bool:
+        """Whether the probe just lost would have won against the incumbent's windows either
+        side of it, ``after`` a batch being the first since: the loop slowed while the probe
+        ran (a warm-up, growing steps), so the figure it was weighed against was from the past.
+        The mean of the windows either side takes a steady move out, as the smoothed figure,
+        which trails such a loop by about three windows' move, cannot. Where the loop slowed,
+        the loss the level remembers (``lost_by``) is capped by the probe's against ``after``."""
         probe, before = self._lost
         self._lost = (math.nan, math.nan)
-        if math.isnan(before):  # no probe lost, or one kept out though faster
+        if not before < after:  # NaN: no probe lost
             return False
+        # Lost by as much as it is slower than the incumbent after it, at most: a loss to the
+        # loop's move is no answer for the level (see `_changed`), however far the move.
         memory = self.memory
-        slowed = before < after
-        if slowed:
-            # Lost by as much as it is slower than the incumbent after it, at most: a loss to
-            # the loop's move is no answer for the level (see `_changed`), however far the move.
-            memory.lost_by = min(memory.lost_by, probe / after - 1)
-        if self._far_off(after):
-            self._slowed = slowed and probe < after  # the change it may be comes with a probe
+        memory.lost_by = min(memory.lost_by, probe / after - 1)
+        if self._far_off(after):  # a move, or a step just after the probe: can't be told here
+            self._slowed = probe < after  # the change it may be comes with a probe
             return False
         level = (before + after) / 2
-        probed = not self.threaded
-        self._record(probe, level, probed)
-        told = _told(memory.evidence)
-        if told is not None:
-            return told is probed
-        if memory.unsure or not slowed:
-            return False
-        return probe < level * (1 - max(MARGIN, self._noise()))
-
-    def _record(self, probe: float, against: float, threaded: bool) -> None:
-        """Keep a probe's outcome, its time per batch ``probe`` against the incumbent's
-        ``against``, as the log of the thread's over the loop's (``threaded``: the thread was
-        probed). As far as `CHANGED` at most: a probe the loop moved under (a phase that ended
-        in it) can read as many times slower, and would outweigh every probe before it."""
-        bound = math.log(1 + CHANGED)
-        outcome = min(max(math.log(probe / against), -bound), bound)
-        evidence = self.memory.evidence
-        self.memory.evidence = [*evidence, outcome if threaded else -outcome][-EVIDENCE:]
-
-    def _stray(self, probed: bool) -> float:
-        """How far a window of the probed mode (or of the incumbent) strays at random, as a
-        share of its time per batch: the incumbent's figure for a mode never measured as one."""
-        memory = self.memory
-        own = memory.spread / memory.smooth
-        return memory.other_stray if probed and not math.isnan(memory.other_stray) else own
-
-    def _noise(self) -> float:
-        """How far a probe's window and the incumbent's figure differ at random, as a share:
-        the window strays as its mode's windows do, and the figure as the incumbent's do. The
-        figure averages about 4 windows, but where the loop moves (a warm-up, a ramp) the
-        incumbent's stray holds the move, which the probe's window meets on top of its own
-        noise: it counts whole. Between a mode whose windows stray 14% and one whose stray 6%,
-        either way, a probe must win by 15%. Counted as a seventh, the grid's numpy ramp kept
-        the loop alone in half as many epochs again: probes of the thread lost to the climb."""
-        return math.hypot(self._stray(probed=True), self._stray(probed=False))
-
-    def _swap_strays(self, period: float) -> None:
-        """The probed mode takes over at ``period`` a batch: its windows stray as far as when
-        it was the incumbent last, or as the incumbent's did if it never was; the incumbent's
-        are remembered for when it is probed."""
-        memory = self.memory
-        own, other = self._stray(probed=False), self._stray(probed=True)
-        # A stray of 0 is one not yet measured (the loop's first window only).
-        memory.other_stray, memory.spread = (own or math.nan), other * period
+        return probe < level * (1 - max(MARGIN, self.memory.spread / level))
 
     def _far_off(self, period: float) -> bool:
         """Whether a window of the incumbent is too far off its figure to count in it (see
@@ -615,7 +514,6 @@ class Chooser:
         memory = self.memory
         memory.threaded = not self.threaded
         memory.lost_by = 0.0
-        self._swap_strays(memory.smooth)  # its level, near enough: the loop did not change
         memory.smooth = memory.reference = memory.last = memory.held = math.nan
         memory.backoff, memory.since = 1, 0
         return self._switch()
@@ -624,7 +522,7 @@ class Chooser:
         """Set the wait for the next probe from the last lost one's: its growth, and what it
         cost (plus ``extra`` batches' time) spread at `PROBE_BUDGET` over the windows until."""
         self._cost += extra
-        paid = 0 if math.isnan(self._cost) else math.ceil(self._cost / (PROBE_BUDGET * WINDOW))
+        paid = math.ceil(self._cost / (PROBE_BUDGET * WINDOW))
         self.memory.backoff = min(max(self._grown, paid), MAX_BACKOFF)
 
     def _switch(self) -> tuple[bool, int]:
@@ -654,27 +552,6 @@ def _nearest(levels: Iterable[Level], period: float) -> Level | None:
 def _near(level: float, period: float) -> bool:
     """Whether a loop at ``period`` a batch is at ``level`` still, within `CHANGED`."""
     return abs(period / level - 1) <= CHANGED
-
-
-def _told(evidence: list[float]) -> bool | None:
-    """Whether the probes' outcomes together tell the thread faster (``True``) or the loop
-    alone (``False``), or not yet (``None``): after `AT_LEAST` of them, their mean lies from 0
-    by more than `_t975` standard errors, and by `LEAST_GAIN`."""
-    n = len(evidence)
-    if n < AT_LEAST:
-        return None
-    mean = sum(evidence) / n
-    spread = math.sqrt(sum((x - mean) ** 2 for x in evidence) / (n - 1))
-    if abs(mean) < max(LEAST_GAIN, _t975(n - 1) * spread / math.sqrt(n)):
-        return None
-    return mean < 0
-
-
-def _t975(freedom: int) -> float:
-    """Student's t at 97.5% for ``freedom`` degrees of freedom, 3 or more, within 3%: how
-    many standard errors the mean of outcomes must lie from 0 to be told from it, one time in
-    40 at each look where it is 0."""
-    return 1.96 + 2.4 / freedom + 3 / freedom**2
 
 
 def _thread_may_help(period: float, means: Callable[[], tuple[float, float]]) -> bool:
