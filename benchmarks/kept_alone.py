@@ -13,8 +13,19 @@ program counts it over many runs. ``--shape`` runs the grid's other uneven numpy
 and in the step, where the thread is slower (both hold the GIL) and the fault is a run that keeps
 it. There the program counts the epochs that kept the thread, not the loop alone.
 
+``--shape workers`` runs the grid's worst cell at 8f9189c: numpy, 20 us of data and 20 us of
+step a batch, 2 persistent workers. The thread is slower there too (the recipe read 0.84x
+plain, DataLoaderX 0.86x, ``max_prefetch=0`` 1.02x), and each epoch reads from 0.75x to 1.2x
+plain by itself as the workers' pace drifts: the program counts the epochs that kept the thread.
+
 Each run builds fresh loaders of the loop, so each DataLoaderX starts with nothing learnt. It
-times ``--epochs`` epochs of each arm, the arms interleaved and their order alternating:
+times ``--epochs`` epochs of each arm, interleaved in the order of a Williams design
+(`prefetchx.bench.paired.round_order`: over twice as many epochs as arms, each arm runs in each
+place, and right after each other arm, equally often). The order used to be reversed at every
+other epoch, which ran the last arm twice in a row at every other epoch's end. Run against an
+identical copy of itself (``--before``), the chooser in that place kept the thread more: 45 and
+53 of 150 epochs of the pure-Python loop, against 33 and 34, and 44 of 168 of the loop with
+workers, against 23. The arms:
 
 * ``plain``: DataLoader, the baseline;
 * ``prefetchx``: DataLoaderX;
@@ -30,7 +41,7 @@ making the batches itself (the incumbent the loader remembers), and as the threa
 otherwise. Figures are taken over the epochs after each run's first. For each arm: its
 throughput over plain's in the same epoch, median and mean. For the DataLoaderX arms, also: the
 share of epochs that kept the slower mode of the loop (the loop alone; the thread with
-``--shape python``), and the runs that kept it `IN_A_ROW` epochs in a row or more.
+``--shape python`` or ``workers``), and the runs that kept it `IN_A_ROW` epochs in a row or more.
 
 Usage:
     python benchmarks/kept_alone.py [--runs 40] [--epochs 8] [--epoch-ms 250] [--shape ramp]
@@ -57,6 +68,7 @@ from typing import Any, NamedTuple
 import grid  # benchmarks/grid.py, beside this program
 
 from prefetchx import _thread_stage
+from prefetchx.bench.paired import round_order
 from prefetchx.bench.record import meta_line
 from prefetchx.bench.synthetic import ARMS as LOADERS
 from prefetchx.bench.synthetic import Work, WorkDataset, machine_meta, release, run_epoch
@@ -76,6 +88,10 @@ PYTHON = "python"
 """The ``--shape`` of the pure-Python loop, where the loop alone is the faster mode."""
 PYTHON_MS = 5.0
 """The pure-Python loop's data and step per batch, as in the bench (`prefetchx.bench`)."""
+WORKERS = "workers"
+"""The ``--shape`` of the loop with workers where the thread is slower (the grid's worst cell)."""
+THREAD_SLOWER = (PYTHON, WORKERS)
+"""The ``--shape``s whose slower mode is the thread."""
 
 
 def load_chooser(path: str) -> ModuleType:
@@ -107,23 +123,29 @@ def choosing(module: ModuleType | None) -> Iterator[None]:
 
 
 def the_loop(shape: str, epoch_ms: float) -> grid.Cell:
-    """The grid's numpy loop of steps shaped ``shape``, or with `PYTHON` the pure-Python loop,
-    without workers, its epoch sized to about ``epoch_ms``."""
+    """The grid's numpy loop of steps shaped ``shape`` without workers, or with `PYTHON` the
+    pure-Python loop, or with `WORKERS` the numpy loop of 20 us and 20 us with 2 workers, its
+    epoch sized to about ``epoch_ms``."""
     if shape == PYTHON:
         cell = grid.Cell(PYTHON, 0, PYTHON_MS, PYTHON_MS)
+    elif shape == WORKERS:
+        cell = grid.Cell("numpy", 2, 0.02, 0.02)
     else:
         cell = grid.Cell("numpy", 0, grid.SHAPE_DATA_MS, grid.LONG_MS / 2, shape)
     return grid._sized([cell], epoch_ms, grid.OVERHEAD_MS)[0]
 
 
 def one_run(
-    cell: grid.Cell, epochs: int, before: ModuleType | None, thread: bool = True
+    cell: grid.Cell, epochs: int, before: ModuleType | None, thread: bool = True, start: int = 0
 ) -> dict[str, Any]:
     """Fresh loaders of ``cell``, ``epochs`` interleaved epochs of each arm: every epoch's
-    seconds, and for the DataLoaderX arms whether the loop alone ended it."""
+    seconds, and for the DataLoaderX arms whether the loop alone ended it. The epochs follow
+    the design's rounds from ``start`` on (a run's number: runs of fewer epochs than the
+    design's cycle then share its places out)."""
     data, steps = Work(cell.kind, cell.data_ms), grid.Steps(cell.kind, cell.steps_ms())
     dataset = WorkDataset(cell.batches, data)
-    common = {"batch_size": None, "num_workers": 0, "persistent_workers": False}
+    workers = cell.workers
+    common = {"batch_size": None, "num_workers": workers, "persistent_workers": workers > 0}
     plain, ours = (LOADERS[arm](dataset, MAX_PREFETCH, common) for arm in ("plain", "prefetchx"))
     loaders: dict[str, Iterable[Any]] = {"plain": plain, "prefetchx": ours}
     if thread:
@@ -138,8 +160,8 @@ def one_run(
     alone: dict[str, list[bool]] = {arm: [] for arm in loaders if arm in CHOOSERS}
     try:
         for epoch in range(epochs):
-            order = list(loaders) if epoch % 2 == 0 else list(loaders)[::-1]
-            for arm in order:
+            names = list(loaders)
+            for arm in (names[index] for index in round_order(len(names), start + epoch)):
                 steps.restart()
                 with choosing(modules[arm]):
                     seconds[arm].append(run_epoch(loaders[arm], steps))
@@ -204,9 +226,9 @@ SLOWER = {
 
 
 def counted(shape: str) -> Slower:
-    """The slower mode of the loop ``shape``: the thread in the pure-Python loop, the loop
-    alone in the numpy ones."""
-    return SLOWER["thread" if shape == PYTHON else "alone"]
+    """The slower mode of the loop ``shape``: the thread in the pure-Python loop and the one
+    with workers, the loop alone in the numpy ones without."""
+    return SLOWER["thread" if shape in THREAD_SLOWER else "alone"]
 
 
 def render(meta: dict[str, Any], cell: grid.Cell, figures: dict[str, Any], conclusion: str) -> str:
@@ -285,9 +307,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epoch-ms", type=float, default=250.0, metavar="MS")
     parser.add_argument(
         "--shape",
-        choices=(*grid.SHAPES, PYTHON),
+        choices=(*grid.SHAPES, *THREAD_SLOWER),
         default="ramp",
-        help="the numpy steps' shape (default ramp), or python: the pure-Python loop",
+        help="the numpy steps' shape (default ramp), or python: the pure-Python loop, or "
+        "workers: numpy, 20 us and 20 us, 2 workers",
     )
     parser.add_argument("--before", metavar="PATH", help="a copy of prefetchx/_adapt.py")
     parser.add_argument(
@@ -312,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     meta["quick"] = args.quick
     done = []
     for n in range(runs):
-        done.append(one_run(cell, epochs, before, thread=not args.no_thread))
+        done.append(one_run(cell, epochs, before, thread=not args.no_thread, start=n))
         print(f"run {n + 1}/{runs}", file=sys.stderr, flush=True)
     figures = summarize(done)
     conclusion = conclude(figures, args.quick, args.shape)

@@ -4,7 +4,9 @@ the full grid's cells."""
 
 from __future__ import annotations
 
+import collections
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -503,19 +505,29 @@ def test_the_quick_kept_alone_run_counts_the_epochs_each_chooser_kept_the_loop_a
     assert record["conclusion"] in text
 
 
-def test_kept_alone_counts_the_thread_kept_in_the_pure_python_loop(tmp_path: Path) -> None:
-    # There the loop alone is the faster mode, so the slower one counted is the thread. The
-    # chooser of --before never tries the thread: it kept it in no epoch.
+@pytest.mark.parametrize(
+    ("shape", "cell"),
+    [
+        ("python", "python, D 5000 us, C 5000 us, 0 workers"),
+        ("workers", "numpy, D 20 us, C 20 us, 2 workers"),
+    ],
+)
+def test_kept_alone_counts_the_thread_kept_where_the_loop_alone_is_faster(
+    shape: str, cell: str, tmp_path: Path
+) -> None:
+    # The pure-Python loop, and the grid's worst cell with its workers: there the loop alone is
+    # the faster mode, so the slower one counted is the thread. The chooser of --before never
+    # tries the thread: it kept it in no epoch.
     source = (ROOT / "prefetchx" / "_adapt.py").read_text()
     never = tmp_path / "never.py"
     never.write_text(source.replace("\nHIDE_AT_LEAST_S = 10e-6\n", "\nHIDE_AT_LEAST_S = 1e9\n"))
     stem = tmp_path / "kept"
-    args = ("--quick", "--shape", "python", "--no-thread", "--before", str(never))
+    args = ("--quick", "--shape", shape, "--no-thread", "--before", str(never))
     done = _run("kept_alone", *args, "--out", str(stem))
     assert done.returncode == 0, done.stderr
     text = Path(f"{stem}.txt").read_text()
     record = json.loads(Path(f"{stem}.json").read_text())
-    assert record["cell"].startswith("python, D 5000 us, C 5000 us, 0 workers")
+    assert record["cell"].startswith(cell)
     before, ours = record["figures"]["before"], record["figures"]["prefetchx"]
     assert (before["thread_epochs"], before["alone_epochs"], before["thread_runs"]) == (0, 4, 0)
     for figures in (before, ours):
@@ -553,3 +565,40 @@ def test_kept_alone_without_the_thread_arm_runs_the_others_alone(tmp_path: Path)
     assert set(record["figures"]) == {"plain", "prefetchx"}
     assert all(set(run["epochs_s"]) == {"plain", "prefetchx"} for run in record["runs"])
     assert "thread kept on" not in record["conclusion"]
+
+
+def test_kept_alone_gives_its_two_choosers_every_place_alike(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Over as many runs as the design's cycle, DataLoaderX and the --before copy each run in
+    # each place of an epoch, and right after their own last epoch, equally often. Reversing
+    # the order at every other epoch ran --before twice in a row at every other epoch's end,
+    # and DataLoaderX never.
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    kept = _program("kept_alone")
+    before = kept.load_chooser(str(ROOT / "prefetchx" / "_adapt.py"))
+    order: list[str] = []
+
+    def run_epoch(loader: Any, steps: Any) -> float:
+        memory = getattr(getattr(loader, "_pipeline", None), "memory", None)
+        if memory is None:
+            order.append("plain")
+        else:
+            order.append("before" if type(memory).__module__ == before.__name__ else "prefetchx")
+        return 1.0
+
+    monkeypatch.setattr(kept, "run_epoch", run_epoch)
+    cell = kept.the_loop(kept.PYTHON, 20.0)
+    epochs = 6
+    for run in range(6):
+        kept.one_run(cell, epochs, before, thread=False, start=run)
+    rounds = [order[i : i + 3] for i in range(0, len(order), 3)]
+    assert len(rounds) == 36
+    for place in range(3):
+        at = [r[place] for r in rounds]
+        assert at.count("prefetchx") == at.count("before") == 12
+    runs = [rounds[i : i + epochs] for i in range(0, len(rounds), epochs)]
+    again = collections.Counter(
+        b[0] for run in runs for a, b in itertools.pairwise(run) if a[-1] == b[0]
+    )
+    assert again["prefetchx"] == again["before"] > 0
