@@ -1,6 +1,6 @@
-"""The benchmark programs of issue #16 (``benchmarks/grid.py``, ``jpeg_pipeline.py``, ``no_work.py``
-and ``kept_alone.py``): their quick runs write a table and a JSON record of the expected shape;
-the full grid's cells."""
+"""The benchmark programs of issue #16 (``benchmarks/grid.py``, ``jpeg_pipeline.py``, ``no_work.py``,
+``kept_alone.py`` and ``mode_trace.py``): their quick runs write a table and a JSON record of the
+expected shape; the full grid's cells."""
 
 from __future__ import annotations
 
@@ -602,3 +602,78 @@ def test_kept_alone_gives_its_two_choosers_every_place_alike(
         b[0] for run in runs for a, b in itertools.pairwise(run) if a[-1] == b[0]
     )
     assert again["prefetchx"] == again["before"] > 0
+
+
+def test_the_quick_mode_trace_alternates_the_modes_and_records_every_window(
+    tmp_path: Path,
+) -> None:
+    stem = tmp_path / "trace"
+    done = _run("mode_trace", "--quick", "--workers", "0", "--out", str(stem))
+    assert done.returncode == 0, done.stderr
+    text = Path(f"{stem}.txt").read_text()
+    record = json.loads(Path(f"{stem}.json").read_text())
+    meta = record["meta"]
+    assert meta["commit"] in text.splitlines()[0]
+    assert (meta["quick"], meta["block"], meta["workers"]) == (True, 4, 0)
+    windows = record["windows"]
+    measured = [w for w in windows if not w[2]]
+    # The modes alternate: each run of measured windows of one mode is the block, 4 windows,
+    # and a settling window of the mode's own length opens every run but the first.
+    runs = [list(group) for _, group in itertools.groupby(measured, key=lambda w: w[1])]
+    assert len(runs) >= 4
+    assert {len(run) for run in runs[1:-1]} == {4}
+    assert {w[1] for w in measured} == {True, False}
+    settling = [w for w in windows if w[2]]
+    assert settling
+    assert {w[3] for w in settling if w[1]} == {4}  # SETTLE
+    assert {w[3] for w in settling if not w[1]} <= {1}  # SETTLE_INLINE
+    figures = record["figures"]
+    assert figures["block_windows"] == 4
+    assert [row["place"] for row in figures["places"]] == [0, 1, 2, 3]
+    assert figures["first"] > 0
+    assert figures["settled"] > 0
+    assert record["conclusion"] in " ".join(text.split())
+    assert "(A quick run" in record["conclusion"]
+
+
+def test_mode_trace_pairs_each_thread_block_with_the_blocks_either_side(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    trace = _program("mode_trace")
+    window = trace.Window
+    windows = []
+    # The loop alone at 1.0; the thread as fast in its block's first 2 windows, then 1.5: a
+    # probe sees the two alike where the thread settles 50% slower (the grid's worst cell).
+    for n in range(7):
+        threaded = n % 2 == 1
+        windows.append(window(0.0, threaded, True, 4 if threaded else 1, 9.0))
+        for place in range(4):
+            period = (1.0 if place < 2 else 1.5) if threaded else 1.0
+            windows.append(window(0.0, threaded, False, 16, period))
+    figures = trace.summarize(windows)
+    assert figures["blocks"] == 5  # the first and the last left out
+    assert figures["first"] == pytest.approx(1.0)
+    assert figures["settled"] == pytest.approx(1.5)
+    assert figures["places"][0]["thread"] == 1.0
+    assert figures["places"][3]["thread"] == 1.5
+    assert figures["places"][3]["alone"] == 1.0
+    assert "a probe misreads this loop" in trace.conclude(figures, quick=False)
+    figures["first"] = 1.45
+    assert "a probe reads this loop as it settles" in trace.conclude(figures, quick=False)
+
+
+@pytest.mark.parametrize(
+    ("args", "shown"),
+    [
+        (["--block", "0"], "argument --block: must be an integer above 0, got '0'"),
+        (["--seconds", "-1"], "argument --seconds: must be a number above 0, got '-1'"),
+        (["--pin", "--workers", "0"], "--pin places the workers: give --workers 1 or more"),
+    ],
+)
+def test_mode_trace_refuses_a_bad_option_before_anything_runs(args: list[str], shown: str) -> None:
+    done = _run("mode_trace", *args)
+    assert done.returncode == 2
+    assert shown in done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stdout == ""
