@@ -20,12 +20,14 @@ from prefetchx._adapt import (
     PROBE_BUDGET,
     SETTLE,
     SETTLE_INLINE,
+    SLOW_SETTLE_S,
     STEP_TO_STRAY,
     STRAY,
     WINDOW,
     Chooser,
     Level,
     Memory,
+    settle_for,
 )
 
 MS = 1e-3
@@ -714,3 +716,156 @@ def test_uneven_steps_do_not_end_a_probe_early() -> None:
     assert chooser.window(1 * MS, _means()) == (True, SETTLE)
     assert chooser.window(1 * MS, _means()) == (True, PEEK)
     assert chooser.window(memory.smooth * 1.6, _means()) == (True, WINDOW - PEEK)
+
+
+@pytest.mark.parametrize(
+    ("workers", "cpus", "slow"),
+    [(0, 1, False), (0, 2, False), (1, 2, False), (2, 2, True), (3, 2, True), (8, 16, False)],
+)
+def test_a_loop_settles_slowly_where_its_workers_take_every_cpu(
+    workers: int, cpus: int, slow: bool
+) -> None:
+    # Traced on the 2-core VM (benchmarks/mode_trace.py): with 2 workers a mode's pace moved for
+    # 0.3 s to over 1.5 s after a switch; with 1 worker or none it showed within a few batches.
+    assert settle_for(workers, cpus=cpus) == (SLOW_SETTLE_S if slow else 0.0)
+
+
+def _slow(period: float = 1 * MS, spread: float = 0.0) -> Memory:
+    """A loader's memory whose loop settles slowly, running inline at ``period`` a batch, its
+    windows straying ``spread``."""
+    memory = Memory()
+    memory.settle_s = SLOW_SETTLE_S
+    memory.threaded = False
+    memory.smooth = memory.reference = memory.last = period
+    memory.spread = spread
+    return memory
+
+
+def test_a_probe_of_a_loop_that_settles_slowly_settles_and_measures_that_long() -> None:
+    # 1 ms a batch, 0.5 s to settle: 500 batches of the thread not measured, then 500 measured
+    # (a window of 16 at a time, so a probe plainly slower still ends early; a thread 5% slower
+    # is not, in windows that stray 10%), then the loop alone settles as long again on its
+    # return.
+    memory = _slow(spread=0.1 * MS)
+    chooser = Chooser(memory)
+    assert chooser.start() == (False, WINDOW)
+    assert chooser.window(1 * MS, _means()) == (True, 500)  # due: the probe's settling
+    assert chooser.window(1 * MS, _means()) == (True, PEEK)
+    lengths = [PEEK]
+    answer = chooser.window(1.05 * MS, _means())
+    while answer[0] and memory.probing:
+        lengths.append(answer[1])
+        answer = chooser.window(1.05 * MS, _means())
+    assert sum(lengths) == 500
+    assert lengths[1] == WINDOW - PEEK
+    assert set(lengths[2:-1]) == {WINDOW}
+    assert answer == (False, 500)  # lost (5% slower): the loop alone settles on its return
+    assert memory.threaded is False
+    assert not memory.probing
+
+
+def test_a_thread_faster_once_settled_takes_over_a_loop_that_settles_slowly() -> None:
+    # As the grid's Python loop with 2 workers: the thread about as fast as the loop alone in
+    # the first windows after a switch, and 7% faster once settled. Probes of 20 batches see
+    # the two alike; a probe that settles first sees the 7%.
+    memory = _slow()
+    chooser = Chooser(memory)
+    chooser.start()
+    threaded, length = chooser.window(1 * MS, _means())
+    elapsed = 0
+    while memory.threaded is not True and elapsed < 2000:
+        period = 1.0 if elapsed < 200 else 0.93
+        threaded, length = chooser.window(period * MS, _means())
+        elapsed += length
+    assert memory.threaded is True
+    assert threaded
+
+
+def test_a_settling_cut_short_by_an_epochs_end_goes_on_in_the_next() -> None:
+    # Epochs of 300 batches and 0.5 s to settle at 1 ms a batch: the probe is put off once at
+    # the first epoch's end, begins after the next epoch's first window, is cut short again and
+    # carried over, and the third epoch settles only what is left of it.
+    memory = _slow()
+    first = Chooser(memory)
+    assert first.start() == (False, WINDOW)
+    assert first.window(1 * MS, _means()) == (True, 500)
+    first.cut(284)
+    first.window(1 * MS, _means(), ending=True)
+    assert memory.put_off
+    assert memory.settle_left == 0
+    second = Chooser(memory)
+    assert second.start() == (False, WINDOW)
+    assert second.window(1 * MS, _means()) == (True, 500)  # the probe put off begins
+    second.cut(284)
+    second.window(1 * MS, _means(), ending=True)
+    assert memory.probing  # carried over this time
+    assert memory.settle_left == 500 - 284
+    third = Chooser(memory)
+    assert third.start() == (True, 500 - 284)
+    assert memory.settle_left == 0
+    assert third.window(1 * MS, _means()) == (True, PEEK)  # settled: the probe measures
+
+
+def test_where_the_loop_settles_slowly_a_change_of_pace_is_followed_without_a_probe() -> None:
+    # Its pace drifts by more than CHANGED over seconds there, in either mode: the figure
+    # follows it, and the probes keep their pace.
+    memory = _slow()
+    memory.backoff, memory.since = 40, 0
+    chooser = Chooser(memory)
+    chooser.start()
+    for period in (1.0, 1.0, 1.4, 1.4, 1.4, 1.4, 0.7, 0.7, 0.7):
+        assert chooser.window(period * MS, _means()) == (False, WINDOW)
+    assert memory.smooth == pytest.approx(0.7 * MS, rel=0.1)
+    assert memory.backoff == 40
+    assert not memory.levels
+    fast = _slow()
+    fast.settle_s = 0.0  # the same loop where a switch shows at once: the change brings a probe
+    fast.backoff, fast.since = 40, 0
+    chooser = Chooser(fast)
+    chooser.start()
+    answers = [chooser.window(p * MS, _means()) for p in (1.0, 1.0, 1.4, 1.4)]
+    assert answers[-1][0]
+
+
+def test_where_a_loop_settles_slowly_the_budget_alone_bounds_the_wait_for_a_probe() -> None:
+    # A probe of a thread 30% slower over 500 settling and 500 measured batches, and the loop
+    # alone 10% slower for its 500 settling batches on its return: 350 batches' time lost. At 1%
+    # of the loop's time, the next probe waits 2188 windows, past MAX_BACKOFF.
+    # Windows that stray as far as 2 ms keep the probe within doubt to its end.
+    memory = _slow(spread=2 * MS)
+    chooser = Chooser(memory)
+    chooser.start()
+    chooser.window(1 * MS, _means())  # due: the probe settles
+    answer = chooser.window(1.3 * MS, _means())
+    measured = 0
+    while memory.probing:
+        measured += chooser._length
+        answer = chooser.window(1.3 * MS, _means())
+    assert measured == 500
+    assert answer == (False, 500)
+    chooser.window(1.1 * MS, _means())  # the return's settling
+    chooser.window(1 * MS, _means())
+    windows = (0.3 * (500 + 500) + 0.1 * 500) / (PROBE_BUDGET * WINDOW)
+    assert windows == pytest.approx(2187.5)
+    assert memory.backoff in (2188, 2189)  # rounding of the float sums aside
+    assert memory.backoff > MAX_BACKOFF
+
+
+def test_where_a_loop_settles_slowly_the_first_probe_waits_until_the_loop_has_settled() -> None:
+    # The epoch's first 4 batches are its start, not its pace: where a loop settles slowly, the
+    # thread is first probed once the loop alone has run the settling time (0.5 s at 1 ms a
+    # batch: 32 windows), against a figure from those windows.
+    memory = Memory()
+    memory.settle_s = SLOW_SETTLE_S
+    loop = Loop(Chooser(memory), inline=1 * MS, threaded=0.5 * MS)
+    loop.run(1)
+    assert memory.backoff == 32
+    loop.run(30)
+    assert not any(loop.modes)
+    assert not loop.threaded
+    loop.run(1)  # the 32nd window, inline: the probe begins after it
+    assert not any(loop.modes)
+    assert (loop.threaded, loop.length) == (True, 500)  # 0.5 s, at the pace known: 1 ms a batch
+    fast = Loop(Chooser(Memory()), inline=1 * MS, threaded=0.5 * MS)
+    fast.run(2)
+    assert fast.modes == [False, True]  # a loop that settles at once: the probe comes at once
