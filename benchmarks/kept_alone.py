@@ -110,16 +110,6 @@ def load_chooser(path: str) -> ModuleType:
     return module
 
 
-def fresh_memory(module: ModuleType) -> Any:
-    """A new `Memory` of ``module``, a copy of ``prefetchx/_adapt.py``. One from before the
-    loader told its memory how slowly the loop settles (``settle_s``, which that chooser does not
-    read) gets room for it."""
-    memory = module.Memory
-    if "settle_s" not in getattr(memory, "__slots__", ("settle_s",)):
-        memory = type(memory.__name__, (memory,), {"__slots__": ("settle_s", "settle_left")})
-    return memory()
-
-
 @contextmanager
 def choosing(module: ModuleType | None) -> Iterator[None]:
     """The thread stage makes its choices with ``module``'s `Chooser` (none: its own)."""
@@ -164,7 +154,7 @@ def one_run(
     modules: dict[str, ModuleType | None] = {arm: None for arm in loaders}
     if before is not None:
         loaders["before"] = LOADERS["prefetchx"](dataset, MAX_PREFETCH, common)
-        loaders["before"]._pipeline.memory = fresh_memory(before)
+        loaders["before"]._pipeline.memory = before.Memory()
         modules["before"] = before
     seconds: dict[str, list[float]] = {arm: [] for arm in loaders}
     alone: dict[str, list[bool]] = {arm: [] for arm in loaders if arm in CHOOSERS}

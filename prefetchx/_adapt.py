@@ -19,7 +19,6 @@ here is one option, and a depth would be more of them.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
@@ -101,18 +100,6 @@ HIDE_AT_LEAST_S = 10e-6
 """Below this, the shorter of the mean step and the mean wait for data (what a thread could
 hide at best, per batch) is less than any hand-off costs: the thread is not worth a probe."""
 
-SLOW_SETTLE_S = 0.5
-"""Seconds a switch of mode takes to show in the pace of a loop whose DataLoader workers are as
-many as the CPUs it may use (`settle_for`). There the OS places the loop's threads and the
-workers anew after a switch, and the pace moves for 0.3 s to over 1.5 s: on the 2-core VM with
-2 workers, the thread read 0.92 to 0.97 of the loop alone's time per batch in the 2 windows after
-a switch (what a probe of 20 batches sees) and 1.21 to 1.28 once settled in one loop, 0.74 and
-1.11 in another, and 1.03 and 0.93 in a third, where it wins (``benchmarks/mode_trace.py``).
-With 1 worker, or none, a mode's pace shows within a few batches, as `SETTLE` has it. Where a
-loop settles slowly, the batches of this long after every switch are not measured, a probe
-measures at least as long again, and a change of the loop's pace brings no probe at once (its
-pace drifts by more than `CHANGED` over seconds there, in either mode)."""
-
 
 class Level(NamedTuple):
     """A level the loop was at, and where the probes there stood when it left."""
@@ -146,8 +133,6 @@ class Memory:
         "probing",
         "put_off",
         "reference",
-        "settle_left",
-        "settle_s",
         "since",
         "smooth",
         "spread",
@@ -192,12 +177,6 @@ class Memory:
         was not there before (as far as `levels` remember)."""
         self.levels: list[Level] = []
         """The levels the loop was at before its last `LEVELS` changes, the latest first."""
-        self.settle_s = 0.0
-        """Seconds a switch of mode takes to show in the loop's pace, where that is longer than
-        a few batches (`SLOW_SETTLE_S`, set by the loader from `settle_for`); 0 otherwise."""
-        self.settle_left = 0
-        """Batches of a slow settling still to run, where a probe's settling was cut short by
-        an epoch's end and the probe goes on in the next epoch; 0 otherwise."""
 
 
 class Chooser:
@@ -245,11 +224,6 @@ class Chooser:
         self._lost = (math.nan, math.nan)
         """After a lost probe, until the incumbent's next measured window: the probe's time per
         batch and the incumbent's last window's before it (see `_lost_to_a_move`)."""
-        self._settled = 0
-        """Batches of the last settling window asked for."""
-        self._returned = 0.0
-        """Where the loop settles slowly, after a lost probe: what the incumbent's settling
-        window on its return cost over its figure, in batches of its time (see `_pace`)."""
         self._slowed = False
         """After a probe lost while the loop slowed, its time per batch under the incumbent's
         first window after it, that window far off (a move and a step look alike there): until
@@ -295,11 +269,6 @@ class Chooser:
             return self._put_off()
         if self._settling:
             self._settling = False
-            if memory.settle_s:
-                if ending and memory.probing and self._length < self._settled:
-                    memory.settle_left = self._settled - self._length  # goes on next epoch
-                elif self._grown and not memory.probing:  # the return from a lost probe
-                    self._returned = max(0.0, period / memory.smooth - 1) * self._length
             if memory.probing:  # the probe's measured window: its first batches, a look
                 self._probed, self._probed_s = 0, 0.0
                 return self._run(self.threaded, PEEK)
@@ -310,14 +279,12 @@ class Chooser:
         smooth = memory.smooth
         slowed, self._slowed = self._slowed, False
         if self._grown:  # the incumbent's first window since a lost probe: what it paid too
-            self._pace(max(0.0, period / smooth - 1) * self._length + self._returned)
-            self._grown, self._returned = 0, 0.0
+            self._pace(max(0.0, period / smooth - 1) * self._length)
+            self._grown = 0
             if self._lost_to_a_move(period):
                 return self._take_over()
         if math.isnan(smooth):
             memory.smooth = memory.reference = memory.last = period
-            if memory.settle_s:  # the figure from one window at the start: settle it first
-                memory.backoff = max(memory.backoff, math.ceil(memory.settle_s / period / WINDOW))
         elif self._far_off(period):
             held, memory.held = memory.held, math.nan
             if math.isnan(held) or (held > smooth) != (period > smooth):
@@ -364,7 +331,6 @@ class Chooser:
         left to make in this epoch, and the next starts in the incumbent's mode."""
         memory = self.memory
         memory.probing = False
-        memory.settle_left = 0  # it begins anew
         memory.put_off = True  # still due: it begins after the next epoch's first window
         self._settling = False
         return self._run(self.threaded, WINDOW)
@@ -394,9 +360,6 @@ class Chooser:
         nothing of the other mode; a clear one does.
         """
         memory = self.memory
-        if memory.settle_s:  # the loop's pace drifts that far there: a drift, not a change
-            memory.smooth = memory.reference = memory.last = period
-            return
         mode = memory.threaded
         left = Level(
             mode,
@@ -452,23 +415,12 @@ class Chooser:
         self._probed += self._length
         self._probed_s += period * self._length
         period = self._probed_s / self._probed
-        memory = self.memory
-        longest = self._longest()
-        if self._probed < longest and not (ending and self._probed >= PEEK):
+        if self._probed < WINDOW and not (ending and self._probed >= PEEK):
+            memory = self.memory
             noise = memory.spread * math.sqrt(WINDOW / self._probed)
             if period <= memory.smooth * (1 + MARGIN) + 2 * noise:
-                if self._probed < WINDOW:
-                    return self._run(self.threaded, WINDOW - self._probed)
-                return self._run(self.threaded, min(WINDOW, longest - self._probed))
+                return self._run(self.threaded, WINDOW - self._probed)
         return self._decide(period)
-
-    def _longest(self) -> int:
-        """Batches a probe measures unless it is slower beyond doubt first: a window, or where
-        the loop settles slowly, as long as its settling (see `SLOW_SETTLE_S`)."""
-        memory = self.memory
-        if memory.settle_s and memory.smooth > 0:
-            return max(WINDOW, math.ceil(memory.settle_s / memory.smooth))
-        return WINDOW
 
     def _decide(self, period: float) -> tuple[bool, int]:
         """The probe's window ended: keep the faster mode; look again later, the later the
@@ -480,10 +432,8 @@ class Chooser:
         incumbent = memory.smooth
         clear = max(period, incumbent) > (1 + CHANGED) * min(period, incumbent)
         # One window of the probe against the incumbent's smoothed figure: it must win by more
-        # than the incumbent's windows stray, or a noisy loop would flip on a lucky window. The
-        # mean of a longer probe strays less, as the root of its windows.
-        stray = memory.spread * math.sqrt(WINDOW / max(self._probed, WINDOW))
-        margin = max(MARGIN, stray / incumbent)
+        # than the incumbent's windows stray, or a noisy loop would flip on a lucky window.
+        margin = max(MARGIN, memory.spread / incumbent)
         won = period < incumbent * (1 - margin)
         if won and self._worth_leaving(period, incumbent):  # it is the incumbent now
             memory.threaded, memory.backoff = self.threaded, (CLEAR_GROWTH if clear else 1)
@@ -493,7 +443,8 @@ class Chooser:
             return self._run(self.threaded, WINDOW)
         # What the probe cost, in batches of the incumbent: the next waits until that is at most
         # PROBE_BUDGET of the loop's time since (the settling batches are taken to cost alike).
-        self._cost = (period / incumbent - 1) * (self._probed + self._settled)
+        settled = SETTLE if self.threaded else SETTLE_INLINE
+        self._cost = (period / incumbent - 1) * (self._probed + settled)
         # Kept out though faster, it is not weighed again: it was weighed against nothing else.
         self._lost = (math.nan, math.nan) if won else (period, memory.last)
         memory.lost_by = period / incumbent - 1
@@ -572,29 +523,16 @@ class Chooser:
         cost (plus ``extra`` batches' time) spread at `PROBE_BUDGET` over the windows until."""
         self._cost += extra
         paid = math.ceil(self._cost / (PROBE_BUDGET * WINDOW))
-        # Where the loop settles slowly, a probe costs more than `MAX_BACKOFF` was set for:
-        # the budget alone bounds the wait there.
-        most = max(MAX_BACKOFF, paid) if self.memory.settle_s else MAX_BACKOFF
-        self.memory.backoff = min(max(self._grown, paid), most)
+        self.memory.backoff = min(max(self._grown, paid), MAX_BACKOFF)
 
     def _switch(self) -> tuple[bool, int]:
         self.threaded = not self.threaded
         self.switches += 1
-        return self._settle(switched=True)
+        return self._settle()
 
-    def _settle(self, switched: bool = False) -> tuple[bool, int]:
-        """A settling window, not measured: the thread's queue fills (`SETTLE`), or the loop
-        takes its first batch itself (`SETTLE_INLINE`); after a switch, in a loop that settles
-        slowly, for its settling time (`SLOW_SETTLE_S`), or what an epoch's end left of it."""
+    def _settle(self) -> tuple[bool, int]:
         self._settling = True
-        memory = self.memory
-        length = SETTLE if self.threaded else SETTLE_INLINE
-        if memory.settle_left:
-            length, memory.settle_left = max(length, memory.settle_left), 0
-        elif switched and memory.settle_s and memory.smooth > 0:
-            length = max(length, math.ceil(memory.settle_s / memory.smooth))
-        self._settled = length
-        return self._run(self.threaded, length)
+        return self._run(self.threaded, SETTLE if self.threaded else SETTLE_INLINE)
 
     def _run(self, threaded: bool, length: int) -> tuple[bool, int]:
         """The answer: the next window's mode and length, kept to measure the window by."""
@@ -614,28 +552,6 @@ def _nearest(levels: Iterable[Level], period: float) -> Level | None:
 def _near(level: float, period: float) -> bool:
     """Whether a loop at ``period`` a batch is at ``level`` still, within `CHANGED`."""
     return abs(period / level - 1) <= CHANGED
-
-
-def settle_for(workers: int, cpus: int | None = None) -> float:
-    """How long a switch of mode takes to settle (`Memory.settle_s`) in a loop fed by
-    ``workers`` DataLoader worker processes, with ``cpus`` CPUs usable (by default, this
-    process's): `SLOW_SETTLE_S` where the workers are as many as the CPUs or more, 0 otherwise.
-
-    Examples:
-        >>> settle_for(2, cpus=2), settle_for(1, cpus=2), settle_for(0, cpus=1)
-        (0.5, 0.0, 0.0)
-    """
-    if cpus is None:
-        cpus = _usable_cpus()
-    return SLOW_SETTLE_S if workers > 0 and workers >= cpus else 0.0
-
-
-def _usable_cpus() -> int:
-    """CPUs this process may run on (its affinity where the platform has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows: no affinity to ask
-        return os.cpu_count() or 1
 
 
 def _thread_may_help(period: float, means: Callable[[], tuple[float, float]]) -> bool:

@@ -137,9 +137,6 @@ class ThreadStage(Iterator[T], Generic[T]):
     10 us, as less is not worth a hand-off. A loader's next epoch goes on from where the last
     one's choice stood; with a ``limit``, a window ends with the epoch at the latest, so that
     epochs shorter than a probe still decide. Only one of the two ever calls the source at a time.
-    A `DataLoaderX` (or `Prefetcher`) whose workers take every CPU tells the stage that a switch
-    takes 0.5 s to show in the consumer's pace: there each mode is measured after that long and
-    for as long, and a change of pace brings no look at once (``prefetchx._adapt.SLOW_SETTLE_S``).
 
     The same clock reads feed the stall meter, ``stats``: each item's wait and the step before
     it. In a loop that makes its own items at under 1000 us an item, timing each would cost

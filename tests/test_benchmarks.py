@@ -677,23 +677,3 @@ def test_mode_trace_refuses_a_bad_option_before_anything_runs(args: list[str], s
     assert shown in done.stderr
     assert "Traceback" not in done.stderr
     assert done.stdout == ""
-
-
-def test_kept_alone_runs_a_chooser_from_before_the_loader_set_how_slowly_its_loop_settles(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    # A copy of _adapt.py from before `Memory.settle_s`: its Memory has no slot for it, and the
-    # loader sets it at every iter(). kept_alone gives it room, and that chooser ignores it.
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    kept = _program("kept_alone")
-    old = tmp_path / "old.py"
-    old.write_text(
-        "class Memory:\n    __slots__ = ('threaded',)\n\n"
-        "    def __init__(self):\n        self.threaded = None\n\n\nclass Chooser:\n    pass\n"
-    )
-    memory = kept.fresh_memory(kept.load_chooser(str(old)))
-    memory.settle_s = 0.5
-    assert (memory.threaded, memory.settle_s) == (None, 0.5)
-    current = kept.fresh_memory(kept.load_chooser(str(ROOT / "prefetchx" / "_adapt.py")))
-    assert type(current).__name__ == "Memory"
-    assert current.settle_s == 0.0
