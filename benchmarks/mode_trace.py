@@ -11,8 +11,8 @@ its place in the block, counted from the switch: where a mode's pace takes longe
 settle, its first places differ from its last.
 
 The grid's worst cell, numpy with 20 us of data and 20 us of step and 2 workers on the 2-core VM,
-is such a loop: there the thread is about 14% slower once settled, and about as fast as the loop
-alone in the first windows after a switch. ``--pin`` puts this process (and so its threads) on the
+is such a loop: there the thread is 20% to 28% slower once settled, and about as fast as the loop
+alone in the first windows after a switch (the records at 2bc0ac2). ``--pin`` puts this process (and so its threads) on the
 first usable CPU and the workers on the others, which tells whether the slow settling comes from
 where the OS scheduler places the threads and the worker processes.
 
