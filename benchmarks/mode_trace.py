@@ -12,9 +12,9 @@ settle, its first places differ from its last.
 
 The grid's worst cell, numpy with 20 us of data and 20 us of step and 2 workers on the 2-core VM,
 is such a loop: there the thread is 20% to 28% slower once settled, and about as fast as the loop
-alone in the first windows after a switch (the records at 2bc0ac2). ``--pin`` puts this process (and so its threads) on the
-first usable CPU and the workers on the others, which tells whether the slow settling comes from
-where the OS scheduler places the threads and the worker processes.
+alone in the first windows after a switch (the records at 2bc0ac2). ``--pin`` puts this process
+(and so its threads) on the first usable CPU and the workers on the others, which tells whether
+the slow settling comes from where the OS scheduler places the threads and the worker processes.
 
 Usage:
     python benchmarks/mode_trace.py [--kind numpy] [--data-us 20] [--step-us 20] [--workers 2]
@@ -48,7 +48,7 @@ from prefetchx._adapt import SETTLE, SETTLE_INLINE, WINDOW
 from prefetchx.bench.record import meta_line, out_stem
 from prefetchx.bench.synthetic import KINDS, Work, WorkDataset, machine_meta, release, wrap
 
-FIRST = 2
+PROBE_WINDOWS = 2
 """Windows after a switch that a probe's measured part spans, about (16 batches after 4)."""
 MAX_PREFETCH = 2
 
@@ -222,7 +222,7 @@ def summarize(windows: list[Window]) -> dict[str, Any]:
             f"too few blocks to pair ({len(runs)} whole ones): run longer or with a smaller --block"
         )
     size = min(len(periods) for _, periods in runs)
-    first, settled = slice(0, min(FIRST, size)), slice(size // 2, size)
+    first, settled = slice(0, min(PROBE_WINDOWS, size)), slice(size // 2, size)
     return {
         "blocks": len(runs),
         "block_windows": size,
@@ -245,7 +245,7 @@ def conclude(figures: dict[str, Any], quick: bool) -> str:
     span_ms = figures["block_windows"] * WINDOW * figures["batch_ms"]
     text = (
         f"On this machine, the thread's time per batch over the loop alone's is "
-        f"{first:.3f} in the first {FIRST} windows after a switch (what a probe sees) and "
+        f"{first:.3f} in the first {PROBE_WINDOWS} windows after a switch (what a probe sees) and "
         f"{settled:.3f} once settled (the second half of blocks of about {span_ms:.0f} ms)"
     )
     gap_first, gap_settled = first - 1, settled - 1
@@ -280,7 +280,7 @@ def render(meta: dict[str, Any], figures: dict[str, Any], conclusion: str) -> st
     lines += [
         "",
         f"thread / alone, paired (each thread block against the blocks either side): "
-        f"first {FIRST} windows {_fmt(figures['first'])}, second half "
+        f"first {PROBE_WINDOWS} windows {_fmt(figures['first'])}, second half "
         f"{_fmt(figures['settled'])}; a window strays {figures['stray']:.1%} from the one "
         f"before it (median)",
         "",
@@ -300,13 +300,16 @@ def render(meta: dict[str, Any], figures: dict[str, Any], conclusion: str) -> st
     return "\n".join(lines) + "\n"
 
 
-def positive(kind: type, what: str) -> Callable[[str], Any]:
+def checked(kind: type, what: str, zero: bool = False) -> Callable[[str], Any]:
+    """An argparse type: a ``kind`` above 0 (or 0 and above, with ``zero``), else an error that
+    says ``what`` it must be and echoes the value."""
+
     def parse(value: str) -> Any:
         try:
             number = kind(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be {what}, got {value!r}") from None
-        if not number > 0:
+        if not (number >= 0 if zero else number > 0):
             raise argparse.ArgumentTypeError(f"must be {what}, got {value!r}")
         return number
 
@@ -318,13 +321,14 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--kind", choices=[k for k in KINDS if k != "none"], default="numpy")
-    parser.add_argument("--data-us", type=float, default=20.0, metavar="US")
-    parser.add_argument("--step-us", type=float, default=20.0, metavar="US")
-    parser.add_argument("--workers", type=int, choices=range(0, 65), default=2, metavar="N")
-    number = "a number above 0"
-    parser.add_argument("--seconds", type=positive(float, number), default=60.0, metavar="S")
-    whole = "an integer above 0"
-    parser.add_argument("--block", type=positive(int, whole), default=32, metavar="N")
+    cost = checked(float, "a number >= 0", zero=True)
+    parser.add_argument("--data-us", type=cost, default=20.0, metavar="US")
+    parser.add_argument("--step-us", type=cost, default=20.0, metavar="US")
+    workers = checked(int, "an integer >= 0", zero=True)
+    parser.add_argument("--workers", type=workers, default=2, metavar="N")
+    seconds = checked(float, "a number above 0")
+    parser.add_argument("--seconds", type=seconds, default=60.0, metavar="S")
+    parser.add_argument("--block", type=checked(int, "an integer above 0"), default=32, metavar="N")
     parser.add_argument(
         "--pin", action="store_true", help="this process on one CPU, the workers on the others"
     )

@@ -669,6 +669,8 @@ def test_mode_trace_pairs_each_thread_block_with_the_blocks_either_side(
         (["--block", "0"], "argument --block: must be an integer above 0, got '0'"),
         (["--seconds", "-1"], "argument --seconds: must be a number above 0, got '-1'"),
         (["--pin", "--workers", "0"], "--pin places the workers: give --workers 1 or more"),
+        (["--data-us", "-20"], "argument --data-us: must be a number >= 0, got '-20'"),
+        (["--workers", "two"], "argument --workers: must be an integer >= 0, got 'two'"),
     ],
 )
 def test_mode_trace_refuses_a_bad_option_before_anything_runs(args: list[str], shown: str) -> None:
