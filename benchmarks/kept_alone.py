@@ -7,7 +7,9 @@ through: 1.13x to 1.16x plain on the 2-core VM. But each probe of the thread run
 climb, and a run can keep the loop alone for epoch after epoch. Which way a run goes is settled
 early and by chance, so one cell of the grid (5 rounds in one process) lands either way. This
 program counts it over many runs. ``--shape`` runs the grid's other uneven numpy loops instead:
-``phases`` (64 steps of 20 us, then 64 of 2 ms) or ``bimodal``.
+``phases`` (64 steps of 20 us, then 64 of 2 ms) or ``bimodal``. ``--workers 2`` gives these loops
+2 workers, as the grid's cells with workers have, where on the 2-core VM the workers take every
+CPU and the stage weighs its two modes over whole epochs (``prefetchx._adapt.SLOW_WINDOW_S``).
 
 ``--shape python`` runs the mirror: the bench's pure-Python loop, 5 ms of Python in the dataset
 and in the step, where the thread is slower (both hold the GIL) and the fault is a run that keeps
@@ -45,7 +47,7 @@ share of epochs that kept the slower mode of the loop (the loop alone; the threa
 
 Usage:
     python benchmarks/kept_alone.py [--runs 40] [--epochs 8] [--epoch-ms 250] [--shape ramp]
-        [--before PATH] [--no-thread] [--quick] [--out STEM]
+        [--workers 0] [--before PATH] [--no-thread] [--quick] [--out STEM]
 
 ``--out benchmarks/results/kept_alone-cpu-2core`` writes ``kept_alone-cpu-2core.txt`` (what it
 prints) and ``kept_alone-cpu-2core.json`` (every epoch's time and mode, the machine, the
@@ -110,6 +112,16 @@ def load_chooser(path: str) -> ModuleType:
     return module
 
 
+def fresh_memory(module: ModuleType) -> Any:
+    """A new `Memory` of ``module``, a copy of ``prefetchx/_adapt.py``. One from before the
+    loader told its memory how slowly the loop settles (``settle_s``, which that chooser does not
+    read) gets room for it."""
+    memory = module.Memory
+    if "settle_s" not in getattr(memory, "__slots__", ("settle_s",)):
+        memory = type(memory.__name__, (memory,), {"__slots__": ("settle_s", "settle_left")})
+    return memory()
+
+
 @contextmanager
 def choosing(module: ModuleType | None) -> Iterator[None]:
     """The thread stage makes its choices with ``module``'s `Chooser` (none: its own)."""
@@ -122,16 +134,16 @@ def choosing(module: ModuleType | None) -> Iterator[None]:
         _thread_stage.Chooser = saved
 
 
-def the_loop(shape: str, epoch_ms: float) -> grid.Cell:
-    """The grid's numpy loop of steps shaped ``shape`` without workers, or with `PYTHON` the
-    pure-Python loop, or with `WORKERS` the numpy loop of 20 us and 20 us with 2 workers, its
-    epoch sized to about ``epoch_ms``."""
+def the_loop(shape: str, epoch_ms: float, workers: int = 0) -> grid.Cell:
+    """The grid's numpy loop of steps shaped ``shape`` with ``workers`` workers, or with
+    `PYTHON` the pure-Python loop, or with `WORKERS` the numpy loop of 20 us and 20 us with 2
+    workers, its epoch sized to about ``epoch_ms``."""
     if shape == PYTHON:
         cell = grid.Cell(PYTHON, 0, PYTHON_MS, PYTHON_MS)
     elif shape == WORKERS:
         cell = grid.Cell("numpy", 2, 0.02, 0.02)
     else:
-        cell = grid.Cell("numpy", 0, grid.SHAPE_DATA_MS, grid.LONG_MS / 2, shape)
+        cell = grid.Cell("numpy", workers, grid.SHAPE_DATA_MS, grid.LONG_MS / 2, shape)
     return grid._sized([cell], epoch_ms, grid.OVERHEAD_MS)[0]
 
 
@@ -154,7 +166,7 @@ def one_run(
     modules: dict[str, ModuleType | None] = {arm: None for arm in loaders}
     if before is not None:
         loaders["before"] = LOADERS["prefetchx"](dataset, MAX_PREFETCH, common)
-        loaders["before"]._pipeline.memory = before.Memory()
+        loaders["before"]._pipeline.memory = fresh_memory(before)
         modules["before"] = before
     seconds: dict[str, list[float]] = {arm: [] for arm in loaders}
     alone: dict[str, list[bool]] = {arm: [] for arm in loaders if arm in CHOOSERS}
@@ -298,6 +310,17 @@ def at_least_two(value: str) -> int:
     return count
 
 
+def worker_count(value: str) -> int:
+    """An argparse type: a count of DataLoader workers, 0 or more."""
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value!r}") from None
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {count}")
+    return count
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -312,6 +335,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the numpy steps' shape (default ramp), or python: the pure-Python loop, or "
         "workers: numpy, 20 us and 20 us, 2 workers",
     )
+    parser.add_argument(
+        "--workers",
+        type=worker_count,
+        default=0,
+        metavar="N",
+        help="DataLoader workers of the shaped numpy loops (default 0; the grid's have 0 and 2)",
+    )
     parser.add_argument("--before", metavar="PATH", help="a copy of prefetchx/_adapt.py")
     parser.add_argument(
         "--no-thread",
@@ -324,12 +354,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.epoch_ms > 0:
         parser.error(f"--epoch-ms must be above 0, got {args.epoch_ms}")
+    if args.workers and args.shape in THREAD_SLOWER:
+        parser.error(f"--workers is for the shaped numpy loops, not --shape {args.shape}")
     runs, epochs, epoch_ms = (2, 3, 20.0) if args.quick else (args.runs, args.epochs, args.epoch_ms)
     try:
         before = load_chooser(args.before) if args.before else None
     except ValueError as exc:
         parser.error(f"--before: {exc}")
-    cell = the_loop(args.shape, epoch_ms)
+    cell = the_loop(args.shape, epoch_ms, args.workers)
     meta = {**machine_meta(), "runs": runs, "epochs": epochs, "epoch_ms": epoch_ms}
     meta |= {"shape": args.shape, "before": args.before, "thread": not args.no_thread}
     meta["quick"] = args.quick

@@ -543,6 +543,9 @@ def test_kept_alone_counts_the_thread_kept_where_the_loop_alone_is_faster(
         (["--epochs", "1"], "argument --epochs: must be >= 2, got 1"),
         (["--before", "{tmp}/missing.py"], "--before: no file '{tmp}/missing.py'"),
         (["--before", "{tmp}/empty.py"], "'{tmp}/empty.py' has no Chooser or Memory"),
+        (["--workers", "-1"], "argument --workers: must be >= 0, got -1"),
+        (["--workers", "two"], "argument --workers: must be an integer >= 0, got 'two'"),
+        (["--shape", "python", "--workers", "2"], "--workers is for the shaped numpy loops"),
     ],
 )
 def test_kept_alone_refuses_a_bad_option_before_anything_runs(
@@ -554,6 +557,18 @@ def test_kept_alone_refuses_a_bad_option_before_anything_runs(
     assert shown.replace("{tmp}", str(tmp_path)) in done.stderr
     assert "Traceback" not in done.stderr
     assert done.stdout == ""
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_kept_alone_runs_a_shaped_loop_with_the_workers_asked_for(
+    workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The grid's numpy phases with 2 workers: where the workers take every CPU of the 2-core VM.
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    kept = _program("kept_alone")
+    cell = kept.the_loop("phases", 20.0, workers)
+    assert (cell.kind, cell.workers, cell.shape) == ("numpy", workers, "phases")
+    assert cell.label.endswith(f"{workers} workers")
 
 
 def test_kept_alone_without_the_thread_arm_runs_the_others_alone(tmp_path: Path) -> None:
