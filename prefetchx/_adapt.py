@@ -19,6 +19,7 @@ here is one option, and a depth would be more of them.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
@@ -100,6 +101,28 @@ HIDE_AT_LEAST_S = 10e-6
 """Below this, the shorter of the mean step and the mean wait for data (what a thread could
 hide at best, per batch) is less than any hand-off costs: the thread is not worth a probe."""
 
+SLOW_SETTLE_S = 0.5
+"""Seconds a switch of mode takes to show in the pace of a loop whose DataLoader workers are as
+many as the CPUs it may use (`settle_for`). There the OS places the loop's threads and the
+workers anew after a switch, and the pace moves for 0.3 s to over 1.5 s: on the 2-core VM with
+2 workers, the thread read 0.92 to 0.97 of the loop alone's time per batch in the 2 windows after
+a switch (what a probe of 20 batches sees) and 1.21 to 1.28 once settled in one loop, 0.74 and
+1.11 in another, and 1.03 and 0.93 in a third, where it wins (``benchmarks/mode_trace.py``).
+With 1 worker, or none, a mode's pace shows within a few batches, as `SETTLE` has it. Where a
+loop settles slowly, the batches of this long after a switch within an epoch, and after a
+loader's first 4, are not measured; its windows end with the epoch (`SLOW_WINDOW_S`); a probe
+is measured whole, with no look after `PEEK` batches, and an epoch's end does not put it off;
+and a change of the loop's pace brings no probe at once (its pace drifts by more than `CHANGED`
+over seconds there, in either mode)."""
+
+SLOW_WINDOW_S = 30.0
+"""Seconds a measured window lasts at most where the loop settles slowly (`SLOW_SETTLE_S`):
+there a window ends with the epoch, so that a probe and the incumbent are weighed over the same
+batches of their epochs, and a ramp of steps within every epoch, or phases, weigh on both
+alike. Windows of 0.5 s read a ramp within 1.1 s epochs as a fast half and a slow half: the
+probe ran in the slow one, lost against the fast, and the loop alone was kept in every epoch
+where the thread ran 1.25x (``benchmarks/kept_alone.py --shape ramp --workers 2``)."""
+
 
 class Level(NamedTuple):
     """A level the loop was at, and where the probes there stood when it left."""
@@ -133,6 +156,9 @@ class Memory:
         "probing",
         "put_off",
         "reference",
+        "seen",
+        "settle_left",
+        "settle_s",
         "since",
         "smooth",
         "spread",
@@ -177,6 +203,15 @@ class Memory:
         was not there before (as far as `levels` remember)."""
         self.levels: list[Level] = []
         """The levels the loop was at before its last `LEVELS` changes, the latest first."""
+        self.settle_s = 0.0
+        """Seconds a switch of mode takes to show in the loop's pace, where that is longer than
+        a few batches (`SLOW_SETTLE_S`, set by the loader from `settle_for`); 0 otherwise."""
+        self.seen = math.nan
+        """The time per batch of the last window measured, in either mode: the loop's pace
+        before the incumbent has a figure (see `Chooser._span`)."""
+        self.settle_left = 0
+        """Batches of a slow settling still to run, where a probe's settling was cut short by
+        an epoch's end and the probe goes on in the next epoch; 0 otherwise."""
 
 
 class Chooser:
@@ -196,7 +231,9 @@ class Chooser:
     epoch, once, and one begun right after that is left to the next epoch if cut short again.
     The incumbent's time per batch is smoothed over its windows, so that a loop whose steps vary
     from batch to batch (a window of 16 random steps is noisy) neither looks like it changed nor
-    loses a comparison to a lucky probe.
+    loses a comparison to a lucky probe. Where a switch takes seconds to show in the loop's
+    pace (``Memory.settle_s``), windows end with the epoch instead, and a switch within one is
+    measured only once settled (see `SLOW_SETTLE_S`).
     """
 
     def __init__(self, memory: Memory) -> None:
@@ -224,6 +261,11 @@ class Chooser:
         self._lost = (math.nan, math.nan)
         """After a lost probe, until the incumbent's next measured window: the probe's time per
         batch and the incumbent's last window's before it (see `_lost_to_a_move`)."""
+        self._settled = 0
+        """Batches of the last settling window asked for."""
+        self._returned = 0.0
+        """Where the loop settles slowly, after a lost probe: what the incumbent's settling
+        window on its return cost over its figure, in batches of its time (see `_pace`)."""
         self._slowed = False
         """After a probe lost while the loop slowed, its time per batch under the incumbent's
         first window after it, that window far off (a move and a step look alike there): until
@@ -246,7 +288,7 @@ class Chooser:
         self.threaded = (not incumbent) if memory.probing else incumbent
         if self.threaded or memory.probing:
             return self._settle()  # the thread starts with an empty queue
-        return self._run(False, WINDOW)
+        return self._run(False, self._span())
 
     def window(
         self, period: float, means: Callable[[], tuple[float, float]], ending: bool = False
@@ -264,23 +306,34 @@ class Chooser:
         """
         memory = self.memory
         memory.stayed += self._length
-        period = max(period, TICK_S)  # compared as a ratio below
-        if ending and memory.probing and self._deferrable and self._probed_by() < PEEK:
+        period = memory.seen = max(period, TICK_S)  # compared as a ratio below
+        deferrable = self._deferrable and not memory.settle_s  # there it goes on (`_settle`)
+        if ending and memory.probing and deferrable and self._probed_by() < PEEK:
             return self._put_off()
         if self._settling:
             self._settling = False
+            if memory.settle_s:
+                if ending and memory.probing and self._length < self._settled:
+                    memory.settle_left = self._settled - self._length  # goes on next epoch
+                elif self._grown and not memory.probing:  # the return from a lost probe
+                    self._returned = max(0.0, period / memory.smooth - 1) * self._length
             if memory.probing:  # the probe's measured window: its first batches, a look
                 self._probed, self._probed_s = 0, 0.0
-                return self._run(self.threaded, PEEK)
-            return self._run(self.threaded, WINDOW)
+                return self._run(self.threaded, self._span() if memory.settle_s else PEEK)
+            return self._run(self.threaded, self._span())
         if memory.probing:
             return self._probe(period, ending)
+        if memory.threaded is None and memory.settle_s:
+            # The epoch's first window, in a loop that settles slowly: it sizes the windows,
+            # and the loop settles from the epoch's start before the figure is taken.
+            memory.threaded = self.threaded
+            return self._settle(switched=True)
         mode = memory.threaded = self.threaded
         smooth = memory.smooth
         slowed, self._slowed = self._slowed, False
         if self._grown:  # the incumbent's first window since a lost probe: what it paid too
-            self._pace(max(0.0, period / smooth - 1) * self._length)
-            self._grown = 0
+            self._pace(max(0.0, period / smooth - 1) * self._length + self._returned)
+            self._grown, self._returned = 0, 0.0
             if self._lost_to_a_move(period):
                 return self._take_over()
         if math.isnan(smooth):
@@ -289,7 +342,7 @@ class Chooser:
             held, memory.held = memory.held, math.nan
             if math.isnan(held) or (held > smooth) != (period > smooth):
                 memory.held = period  # one window far off: a pause, unless the next says so too
-                return self._run(mode, WINDOW)
+                return self._run(mode, self._span())
             # Two windows far off on the same side: the loop changed. Probe now, against the
             # figure of the window since the change.
             self._changed(period, smooth, wait=0, slowed=slowed)
@@ -312,12 +365,13 @@ class Chooser:
         # start, against a figure from this one's end, and an epoch's first batches need not
         # be the loop its last were (a ramp begins again). It begins after the incumbent's
         # first window there, even if that one ends its epoch too (epochs of a window or less).
-        put_off, memory.put_off = memory.put_off, due and ending and not memory.put_off
+        defer = due and ending and not memory.put_off and not memory.settle_s
+        put_off, memory.put_off = memory.put_off, defer
         if due and not memory.put_off:
             memory.probing = True
             self._deferrable = not put_off
             return self._switch()
-        return self._run(mode, WINDOW)
+        return self._run(mode, self._span())
 
     def _probed_by(self) -> int:
         """Batches the probe under way will have measured once the window just ended counts."""
@@ -331,9 +385,10 @@ class Chooser:
         left to make in this epoch, and the next starts in the incumbent's mode."""
         memory = self.memory
         memory.probing = False
+        memory.settle_left = 0  # it begins anew
         memory.put_off = True  # still due: it begins after the next epoch's first window
         self._settling = False
-        return self._run(self.threaded, WINDOW)
+        return self._run(self.threaded, self._span())
 
     def _changed(self, period: float, level: float, wait: int, slowed: bool = False) -> None:
         """The loop changed, from ``level`` to ``period`` a batch: probe the other mode once
@@ -360,6 +415,9 @@ class Chooser:
         nothing of the other mode; a clear one does.
         """
         memory = self.memory
+        if memory.settle_s:  # the loop's pace drifts that far there: a drift, not a change
+            memory.smooth = memory.reference = memory.last = period
+            return
         mode = memory.threaded
         left = Level(
             mode,
@@ -415,12 +473,29 @@ class Chooser:
         self._probed += self._length
         self._probed_s += period * self._length
         period = self._probed_s / self._probed
-        if self._probed < WINDOW and not (ending and self._probed >= PEEK):
-            memory = self.memory
-            noise = memory.spread * math.sqrt(WINDOW / self._probed)
-            if period <= memory.smooth * (1 + MARGIN) + 2 * noise:
-                return self._run(self.threaded, WINDOW - self._probed)
+        memory = self.memory
+        span = self._span()
+        if self._probed < span and not (ending and self._probed >= PEEK):
+            noise = memory.spread * math.sqrt(span / self._probed)
+            if memory.settle_s or period <= memory.smooth * (1 + MARGIN) + 2 * noise:
+                return self._run(self.threaded, span - self._probed)
         return self._decide(period)
+
+    def _span(self) -> int:
+        """Batches in a measured window: `WINDOW`, or where the loop settles slowly, as many
+        as it runs in `SLOW_WINDOW_S` at its pace: the stage ends it with the epoch, sooner."""
+        memory = self.memory
+        pace = memory.smooth if memory.smooth > 0 else memory.seen
+        if memory.settle_s and pace > 0:
+            return max(WINDOW, math.ceil(SLOW_WINDOW_S / pace))
+        return WINDOW
+
+    def _settling_span(self) -> int:
+        """Batches the loop runs unmeasured after a switch where it settles slowly: as many as
+        it runs in its settling time at its pace, `WINDOW` at least."""
+        memory = self.memory
+        pace = memory.smooth if memory.smooth > 0 else memory.seen
+        return max(WINDOW, math.ceil(memory.settle_s / pace)) if pace > 0 else WINDOW
 
     def _decide(self, period: float) -> tuple[bool, int]:
         """The probe's window ended: keep the faster mode; look again later, the later the
@@ -440,11 +515,10 @@ class Chooser:
             memory.lost_by = incumbent / period - 1
             memory.spread *= period / incumbent  # its windows stray alike, for their length
             memory.smooth = memory.reference = memory.last = period
-            return self._run(self.threaded, WINDOW)
+            return self._run(self.threaded, self._span())
         # What the probe cost, in batches of the incumbent: the next waits until that is at most
         # PROBE_BUDGET of the loop's time since (the settling batches are taken to cost alike).
-        settled = SETTLE if self.threaded else SETTLE_INLINE
-        self._cost = (period / incumbent - 1) * (self._probed + settled)
+        self._cost = (period / incumbent - 1) * (self._probed + self._settled)
         # Kept out though faster, it is not weighed again: it was weighed against nothing else.
         self._lost = (math.nan, math.nan) if won else (period, memory.last)
         memory.lost_by = period / incumbent - 1
@@ -522,17 +596,29 @@ class Chooser:
         """Set the wait for the next probe from the last lost one's: its growth, and what it
         cost (plus ``extra`` batches' time) spread at `PROBE_BUDGET` over the windows until."""
         self._cost += extra
-        paid = math.ceil(self._cost / (PROBE_BUDGET * WINDOW))
+        # Where the loop settles slowly, windows end with the epoch: the probe's is their length.
+        window = self._probed if self.memory.settle_s and self._probed else self._span()
+        paid = math.ceil(self._cost / (PROBE_BUDGET * window))
         self.memory.backoff = min(max(self._grown, paid), MAX_BACKOFF)
 
     def _switch(self) -> tuple[bool, int]:
         self.threaded = not self.threaded
         self.switches += 1
-        return self._settle()
+        return self._settle(switched=True)
 
-    def _settle(self) -> tuple[bool, int]:
+    def _settle(self, switched: bool = False) -> tuple[bool, int]:
+        """A settling window, not measured: the thread's queue fills (`SETTLE`), or the loop
+        takes its first batch itself (`SETTLE_INLINE`); after a switch, in a loop that settles
+        slowly, for its settling time (`SLOW_SETTLE_S`), or what an epoch's end left of it."""
         self._settling = True
-        return self._run(self.threaded, SETTLE if self.threaded else SETTLE_INLINE)
+        memory = self.memory
+        length = SETTLE if self.threaded else SETTLE_INLINE
+        if memory.settle_left:
+            length, memory.settle_left = max(length, memory.settle_left), 0
+        elif switched and memory.settle_s:
+            length = max(length, self._settling_span())
+        self._settled = length
+        return self._run(self.threaded, length)
 
     def _run(self, threaded: bool, length: int) -> tuple[bool, int]:
         """The answer: the next window's mode and length, kept to measure the window by."""
@@ -552,6 +638,28 @@ def _nearest(levels: Iterable[Level], period: float) -> Level | None:
 def _near(level: float, period: float) -> bool:
     """Whether a loop at ``period`` a batch is at ``level`` still, within `CHANGED`."""
     return abs(period / level - 1) <= CHANGED
+
+
+def settle_for(workers: int, cpus: int | None = None) -> float:
+    """How long a switch of mode takes to settle (`Memory.settle_s`) in a loop fed by
+    ``workers`` DataLoader worker processes, with ``cpus`` CPUs usable (by default, this
+    process's): `SLOW_SETTLE_S` where the workers are as many as the CPUs or more, 0 otherwise.
+
+    Examples:
+        >>> settle_for(2, cpus=2), settle_for(1, cpus=2), settle_for(0, cpus=1)
+        (0.5, 0.0, 0.0)
+    """
+    if cpus is None:
+        cpus = _usable_cpus()
+    return SLOW_SETTLE_S if workers > 0 and workers >= cpus else 0.0
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows: no affinity to ask
+        return os.cpu_count() or 1
 
 
 def _thread_may_help(period: float, means: Callable[[], tuple[float, float]]) -> bool:

@@ -47,6 +47,10 @@ class DataLoaderX(DataLoader[T_co]):
     A thread helps only where it hides more than it costs, so the iterator measures the loop's
     time per batch with the thread and without it and keeps the faster: without it, batches
     are made in the caller's thread, in order, as `DataLoader` makes them (see `ThreadStage`).
+    Where ``num_workers`` is as many as the CPUs the process may use, or more, a switch between
+    the two takes up to seconds to show in the loop's pace (the OS places the threads and the
+    workers anew), so the two are weighed over whole epochs (30 s at most), a switch within an
+    epoch measured only after 0.5 s: the first choice takes 2 to 3 epochs of the loop.
     ``loader.stats`` is the stall meter of the epoch started last.
 
     With an accelerator (``device``, or the current accelerator when ``device`` is ``None``), a
@@ -180,6 +184,7 @@ class DataLoaderX(DataLoader[T_co]):
         if self.num_workers > 0:
             # Workers fork: let threads of abandoned iterators finish first (see settle).
             settle(_engine.JOIN_TIMEOUT)
+        self._pipeline.fed_by(self.num_workers)
         recorder = self._new_recorder()
         epoch, building = self._begin_epoch(recorder, draws_base_seed=True)
         snapshots = self._dataset_snapshots()  # before DataLoader calls iter(dataset)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from prefetchx._adapt import Memory
+from prefetchx._adapt import Memory, settle_for
 from prefetchx._batch import map_input, map_tensors
 from prefetchx._checks import check_bool, check_input_key, check_int
 from prefetchx._device import Copies, CudaStreams, check_device, with_index
@@ -57,6 +57,12 @@ class Pipeline:
         self._streams: CudaStreams | None = None
         self.memory = Memory()
         """Which of the thread and the caller made batches faster, as the epochs found."""
+
+    def fed_by(self, workers: int) -> None:
+        """The loader's batches come from ``workers`` DataLoader worker processes (0: from the
+        loop's own process): how long a switch of the thread stage's mode takes to show in the
+        loop's pace follows from it and the CPUs (`prefetchx._adapt.settle_for`)."""
+        self.memory.settle_s = settle_for(workers)
 
     @property
     def target(self) -> torch.device:

@@ -122,6 +122,8 @@ class Prefetcher(Generic[T]):
                         "DataLoader iterator, which persistent workers share between epochs; "
                         "the next epoch cannot start safely. Is the dataset blocked?"
                     )
+        workers = self.iterable.num_workers if isinstance(self.iterable, DataLoader) else 0
+        self._pipeline.fed_by(workers)
         epoch = Epoch()
         iterator: PrefetchIterator[T] = PrefetchIterator(
             iter(self.iterable),

@@ -20,12 +20,15 @@ from prefetchx._adapt import (
     PROBE_BUDGET,
     SETTLE,
     SETTLE_INLINE,
+    SLOW_SETTLE_S,
+    SLOW_WINDOW_S,
     STEP_TO_STRAY,
     STRAY,
     WINDOW,
     Chooser,
     Level,
     Memory,
+    settle_for,
 )
 
 MS = 1e-3
@@ -714,3 +717,153 @@ def test_uneven_steps_do_not_end_a_probe_early() -> None:
     assert chooser.window(1 * MS, _means()) == (True, SETTLE)
     assert chooser.window(1 * MS, _means()) == (True, PEEK)
     assert chooser.window(memory.smooth * 1.6, _means()) == (True, WINDOW - PEEK)
+
+
+@pytest.mark.parametrize(
+    ("workers", "cpus", "slow"),
+    [(0, 1, False), (0, 2, False), (1, 2, False), (2, 2, True), (3, 2, True), (8, 16, False)],
+)
+def test_a_loop_settles_slowly_where_its_workers_take_every_cpu(
+    workers: int, cpus: int, slow: bool
+) -> None:
+    # Traced on the 2-core VM (benchmarks/mode_trace.py): with 2 workers a mode's pace moved for
+    # 0.3 s to over 1.5 s after a switch; with 1 worker or none it showed within a few batches.
+    assert settle_for(workers, cpus=cpus) == (SLOW_SETTLE_S if slow else 0.0)
+
+
+def _slow(period: float = 1 * MS, spread: float = 0.0) -> Memory:
+    """A loader's memory whose loop settles slowly, running inline at ``period`` a batch, its
+    windows straying ``spread``."""
+    memory = Memory()
+    memory.settle_s = SLOW_SETTLE_S
+    memory.threaded = False
+    memory.smooth = memory.reference = memory.last = period
+    memory.spread = spread
+    return memory
+
+
+LONGEST = round(SLOW_WINDOW_S / (1 * MS))
+"""A measured window where the loop settles slowly, at 1 ms a batch: it ends with the epoch."""
+
+
+def test_where_a_loop_settles_slowly_the_two_modes_are_weighed_over_whole_epochs() -> None:
+    # Epochs of 1000 batches at 1 ms: each window ends with its epoch, so a ramp of steps
+    # within every epoch weighs on both modes alike. A probe due at an epoch's end is not put
+    # off: the next epoch runs it from its start (its first 4 batches settle, as any epoch's),
+    # measured whole, with no look after its first batches; a thread 5% slower loses.
+    memory = _slow(spread=0.1 * MS)
+    first = Chooser(memory)
+    assert first.start() == (False, LONGEST)
+    first.cut(999)
+    first.window(1 * MS, _means(), ending=True)
+    assert memory.probing  # due: it runs in the next epoch
+    second = Chooser(memory)
+    assert second.start() == (True, SETTLE)
+    assert second.window(1 * MS, _means()) == (True, LONGEST)
+    second.cut(995)
+    second.window(1.05 * MS, _means(), ending=True)
+    assert not memory.probing
+    assert memory.threaded is False  # lost
+    assert memory.backoff >= 5  # 5% of 1000 batches' time, at 1% of the loop's: 5 epochs
+    third = Chooser(memory)
+    assert third.start() == (False, LONGEST)
+    fast = _slow(spread=0.1 * MS)
+    fast.settle_s = 0.0  # the same loop where a switch shows at once: windows of WINDOW
+    chooser = Chooser(fast)
+    assert chooser.start() == (False, WINDOW)
+    assert chooser.window(1 * MS, _means()) == (True, SETTLE)
+
+
+def test_where_a_loop_settles_slowly_a_probe_is_measured_only_once_settled() -> None:
+    # As the grid's worst loop with 2 workers: after a switch to the thread, the loop runs
+    # faster for a while, then settles 10% slower than the loop alone. Switched within an
+    # epoch (one longer than a window), the thread runs 0.5 s unmeasured, then a window.
+    memory = _slow()
+    chooser = Chooser(memory)
+    chooser.start()
+    assert chooser.window(1 * MS, _means()) == (True, 500)  # due: the probe's settling
+    assert chooser.window(0.9 * MS, _means()) == (True, LONGEST)  # flattering, unmeasured
+    assert chooser.window(1.1 * MS, _means()) == (False, 500)  # lost: the loop alone settles
+    assert memory.threaded is False
+    fast = _slow()
+    fast.settle_s = 0.0  # where a switch shows at once, the first windows are the probe
+    chooser = Chooser(fast)
+    chooser.start()
+    assert chooser.window(1 * MS, _means()) == (True, SETTLE)
+    for _ in range(3):  # the settling batches, the look after PEEK, the rest of the window
+        chooser.window(0.9 * MS, _means())
+    assert fast.threaded is True
+
+
+def test_a_settling_cut_short_by_an_epochs_end_goes_on_in_the_next() -> None:
+    # Epochs longer than a window (30 s): a probe begins within one, and its 0.5 s of settling
+    # is cut short by the epoch's end after 284 batches; the next epoch settles what is left of
+    # it, then measures. Not put off, as a probe is where a switch shows at once.
+    memory = _slow()
+    first = Chooser(memory)
+    assert first.start() == (False, LONGEST)
+    assert first.window(1 * MS, _means()) == (True, 500)
+    first.cut(284)
+    first.window(1 * MS, _means(), ending=True)
+    assert memory.probing
+    assert not memory.put_off
+    assert memory.settle_left == 500 - 284
+    second = Chooser(memory)
+    assert second.start() == (True, 500 - 284)
+    assert memory.settle_left == 0
+    assert second.window(1 * MS, _means()) == (True, LONGEST)  # settled: the probe measures
+
+
+def test_where_the_loop_settles_slowly_a_change_of_pace_is_followed_without_a_probe() -> None:
+    # Its pace drifts by more than CHANGED over seconds there, in either mode: the figure
+    # follows it, and the probes keep their pace.
+    memory = _slow()
+    memory.backoff, memory.since = 40, 0
+    chooser = Chooser(memory)
+    chooser.start()
+    for period in (1.0, 1.0, 1.4, 1.4, 1.4, 1.4, 0.7, 0.7, 0.7):
+        assert chooser.window(period * MS, _means()) == (False, chooser._span())
+    assert memory.smooth == pytest.approx(0.7 * MS, rel=0.1)
+    assert memory.backoff == 40
+    assert not memory.levels
+    fast = _slow()
+    fast.settle_s = 0.0  # the same loop where a switch shows at once: the change brings a probe
+    fast.backoff, fast.since = 40, 0
+    chooser = Chooser(fast)
+    chooser.start()
+    answers = [chooser.window(p * MS, _means()) for p in (1.0, 1.0, 1.4, 1.4)]
+    assert answers[-1][0]
+
+
+def test_where_a_loop_settles_slowly_a_lost_probe_is_paid_for_over_its_epochs() -> None:
+    # A probe of a thread 30% slower over an epoch of 1000 measured batches after its 4 settling
+    # ones: 301 batches' time lost. At 1% of the loop's time, the next probe waits 31 windows,
+    # of the probe's length (epochs, there).
+    memory = _slow()
+    Chooser(memory).start()
+    memory.probing = True
+    chooser = Chooser(memory)
+    assert chooser.start() == (True, SETTLE)
+    chooser.window(1.3 * MS, _means())
+    chooser.cut(1000)
+    assert chooser.window(1.3 * MS, _means(), ending=True) == (False, 500)
+    assert memory.backoff == math.ceil(0.3 * (1000 + SETTLE) / (PROBE_BUDGET * 1000)) == 31
+
+
+def test_where_a_loop_settles_slowly_the_first_probe_waits_until_the_loop_has_settled() -> None:
+    # The epoch's first 4 batches are its start, not its pace: where a loop settles slowly, they
+    # size the settling (0.5 s at 1 ms a batch: 500 batches), the loop alone settles for that
+    # long, is measured for a window, and only then is the thread probed, against its figure.
+    memory = Memory()
+    memory.settle_s = SLOW_SETTLE_S
+    loop = Loop(Chooser(memory), inline=1 * MS, threaded=0.5 * MS)
+    loop.run(3)
+    assert loop.modes == [False, False, False]
+    assert loop.lengths == [FIRST, 500, LONGEST]
+    assert memory.smooth == 1 * MS
+    assert (loop.threaded, loop.length) == (True, 500)  # the probe's settling
+    loop.run(2)
+    assert memory.threaded is True  # the thread, twice as fast, took over
+    fast = Loop(Chooser(Memory()), inline=1 * MS, threaded=0.5 * MS)
+    fast.run(2)
+    assert fast.modes == [False, True]  # a loop that settles at once: the probe comes at once

@@ -999,3 +999,19 @@ def test_switching_between_thread_and_loop_every_other_batch_keeps_dataloaders_e
     assert got["DataLoaderX"][0] == got["DataLoader"][0]
     assert ("ValueError: boom at index 17", []) in got["DataLoader"][0][0]
     assert torch.equal(got["DataLoaderX"][1], got["DataLoader"][1])
+
+
+@pytest.mark.parametrize(("num_workers", "slow"), [(0, False), (1, True)])
+def test_a_loader_whose_workers_take_every_cpu_settles_its_switches_slowly(
+    num_workers: int, slow: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One CPU usable: 1 worker takes it, and a switch between the thread and the loop alone
+    # takes prefetchx._adapt.SLOW_SETTLE_S to show in the loop's pace; with no worker, a few
+    # batches. The same batches as DataLoader's either way.
+    from prefetchx import _adapt
+
+    monkeypatch.setattr(_adapt, "_usable_cpus", lambda: 1)
+    dataset = list(range(40))
+    loader = DataLoaderX(dataset, batch_size=4, num_workers=num_workers)
+    assert [b.tolist() for b in loader] == [b.tolist() for b in DataLoader(dataset, batch_size=4)]
+    assert loader._pipeline.memory.settle_s == (_adapt.SLOW_SETTLE_S if slow else 0.0)
