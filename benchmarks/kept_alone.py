@@ -61,7 +61,7 @@ import importlib.util
 import json
 import statistics
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
@@ -299,26 +299,27 @@ def conclude(figures: dict[str, Any], quick: bool, shape: str) -> str:
     return text
 
 
-def at_least_two(value: str) -> int:
-    """An argparse type: an integer of at least 2 (a run's first epoch is not counted)."""
-    try:
-        count = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 2, got {value!r}") from None
-    if count < 2:
-        raise argparse.ArgumentTypeError(f"must be >= 2, got {count}")
-    return count
+def integer_at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``least``, refused with the value otherwise."""
+
+    def parse(value: str) -> int:
+        try:
+            count = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be an integer >= {least}, got {value!r}"
+            ) from None
+        if count < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}, got {count}")
+        return count
+
+    return parse
 
 
-def worker_count(value: str) -> int:
-    """An argparse type: a count of DataLoader workers, 0 or more."""
-    try:
-        count = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value!r}") from None
-    if count < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {count}")
-    return count
+at_least_two = integer_at_least(2)
+"""Runs and epochs: a run's first epoch is not counted."""
+worker_count = integer_at_least(0)
+"""DataLoader workers."""
 
 
 def main(argv: list[str] | None = None) -> int:
