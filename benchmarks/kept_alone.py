@@ -61,7 +61,7 @@ import importlib.util
 import json
 import statistics
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
@@ -71,7 +71,7 @@ import grid  # benchmarks/grid.py, beside this program
 
 from prefetchx import _thread_stage
 from prefetchx.bench.paired import round_order
-from prefetchx.bench.record import meta_line
+from prefetchx.bench.record import integer_at_least, meta_line
 from prefetchx.bench.synthetic import ARMS as LOADERS
 from prefetchx.bench.synthetic import Work, WorkDataset, machine_meta, release, run_epoch
 
@@ -297,23 +297,6 @@ def conclude(figures: dict[str, Any], quick: bool, shape: str) -> str:
     if quick:
         text += " (A quick run: too few epochs to conclude from.)"
     return text
-
-
-def integer_at_least(least: int) -> Callable[[str], int]:
-    """An argparse type: an integer of at least ``least``, refused with the value otherwise."""
-
-    def parse(value: str) -> int:
-        try:
-            count = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"must be an integer >= {least}, got {value!r}"
-            ) from None
-        if count < least:
-            raise argparse.ArgumentTypeError(f"must be >= {least}, got {count}")
-        return count
-
-    return parse
 
 
 at_least_two = integer_at_least(2)

@@ -8,7 +8,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,17 +62,25 @@ def depth(value: str) -> int:
     return count
 
 
-def rounds(value: str) -> int:
-    """An argparse type for ``--rounds``: at least `MIN_ROUNDS`."""
-    try:
-        count = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be an integer >= {MIN_ROUNDS}, got {value!r}"
-        ) from None
-    if count < MIN_ROUNDS:
-        raise argparse.ArgumentTypeError(f"must be >= {MIN_ROUNDS}, got {count}")
-    return count
+def integer_at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``least``, refused with the value otherwise."""
+
+    def parse(value: str) -> int:
+        try:
+            count = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be an integer >= {least}, got {value!r}"
+            ) from None
+        if count < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}, got {count}")
+        return count
+
+    return parse
+
+
+rounds = integer_at_least(MIN_ROUNDS)
+"""An argparse type for ``--rounds``: at least `MIN_ROUNDS`."""
 
 
 def out_stem(value: str) -> str:
