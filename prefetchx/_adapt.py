@@ -484,18 +484,14 @@ class Chooser:
     def _span(self) -> int:
         """Batches in a measured window: `WINDOW`, or where the loop settles slowly, as many
         as it runs in `SLOW_WINDOW_S` at its pace: the stage ends it with the epoch, sooner."""
-        memory = self.memory
-        pace = memory.smooth if memory.smooth > 0 else memory.seen
-        if memory.settle_s and pace > 0:
-            return max(WINDOW, math.ceil(SLOW_WINDOW_S / pace))
-        return WINDOW
+        return self._batches_in(SLOW_WINDOW_S) if self.memory.settle_s else WINDOW
 
-    def _settling_span(self) -> int:
-        """Batches the loop runs unmeasured after a switch where it settles slowly: as many as
-        it runs in its settling time at its pace, `WINDOW` at least."""
+    def _batches_in(self, seconds: float) -> int:
+        """Batches the loop runs in ``seconds`` at its pace (the incumbent's figure, or before
+        it has one, the last window's), `WINDOW` at least."""
         memory = self.memory
         pace = memory.smooth if memory.smooth > 0 else memory.seen
-        return max(WINDOW, math.ceil(memory.settle_s / pace)) if pace > 0 else WINDOW
+        return max(WINDOW, math.ceil(seconds / pace)) if pace > 0 else WINDOW
 
     def _decide(self, period: float) -> tuple[bool, int]:
         """The probe's window ended: keep the faster mode; look again later, the later the
@@ -616,7 +612,7 @@ class Chooser:
         if memory.settle_left:
             length, memory.settle_left = max(length, memory.settle_left), 0
         elif switched and memory.settle_s:
-            length = max(length, self._settling_span())
+            length = max(length, self._batches_in(memory.settle_s))
         self._settled = length
         return self._run(self.threaded, length)
 
