@@ -385,7 +385,6 @@ class Chooser:
         left to make in this epoch, and the next starts in the incumbent's mode."""
         memory = self.memory
         memory.probing = False
-        memory.settle_left = 0  # it begins anew
         memory.put_off = True  # still due: it begins after the next epoch's first window
         self._settling = False
         return self._run(self.threaded, self._span())
