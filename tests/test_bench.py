@@ -20,7 +20,7 @@ import torch
 from prefetchx import DataLoaderX
 from prefetchx.__main__ import main
 from prefetchx.bench import cli
-from prefetchx.bench.paired import Spread, ratios, round_order, run_rounds
+from prefetchx.bench.paired import CLEAR, Spread, ratios, round_order, run_rounds
 from prefetchx.bench.synthetic import (
     COLUMNS,
     Case,
@@ -232,7 +232,30 @@ def test_the_conclusion_names_only_loops_it_counted_as_faster_or_slower() -> Non
     assert "slower in 1 of 2 loops (down to 0.95x, no work)" in only_slower
     only_faster = conclude([loops[0], loops[1], loops[3]])
     assert "in 1 of 3 loops (up to 1.90x, sleep 5/5 ms)" in only_faster
-    assert "slower in none (the lowest 0.80x, jpeg noisy)" in only_faster
+    assert "slower in none for certain (the lowest 0.80x, jpeg noisy," in only_faster
+
+
+def test_a_median_below_plain_is_never_concluded_to_cost_nothing() -> None:
+    # The H200 host's bench (bench-h200-838aba6.txt): no loop slower in every round, but one
+    # whose median is 0.87x. "Switching costs nothing here" would be a promise the run broke.
+    faster, low = _spread(1.93, 1.76, 1.95), _spread(0.87, 0.80, 1.09)
+    sentence = conclude([("sleep 5/5 ms", faster), ("JPEG, 16 torch threads, 0 workers", low)])
+    assert "costs nothing" not in sentence
+    assert "the lowest 0.87x, JPEG, 16 torch threads, 0 workers, its rounds 0.80x to 1.09x" in (
+        sentence
+    )
+    assert sentence.endswith(
+        "time your own loop against max_prefetch=0 where it looks like that one."
+    )
+    alike = conclude([("a", _spread(1.0, 0.9, 1.1)), ("b", low)])
+    assert "neither gains nor costs" not in alike
+    assert alike.endswith("time your own loop against max_prefetch=0 before switching.")
+    # Within CLEAR of 1.0 the run does say so.
+    close = _spread(1.0 - CLEAR, 0.9, 1.1)
+    assert conclude([("a", faster), ("b", close)]).endswith("switching costs nothing here.")
+    assert conclude([("b", close)]).endswith("switching neither gains nor costs here.")
+    for sentence in (conclude([("a", faster), ("b", low)]), alike):
+        assert sentence.count(". ") == 0
 
 
 def test_rows_that_look_alike_say_how_they_differ() -> None:

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from prefetchx import __version__
 from prefetchx._loader import DataLoaderX
-from prefetchx.bench.paired import MIN_ROUNDS, Spread, ratios, run_rounds
+from prefetchx.bench.paired import CLEAR, MIN_ROUNDS, Spread, ratios, run_rounds
 
 KINDS = ("sleep", "numpy", "python")
 
@@ -559,13 +559,31 @@ def conclude(
             f"{len(slower)} of {n} loops (down to {bottom}): keep the plain DataLoader here "
             "unless your own loop, timed, says otherwise."
         )
-    if faster:
-        return (
-            f"{where}, {arm} was faster than a plain DataLoader in {len(faster)} of {n} loops "
-            f"(up to {top}) and slower in none (the lowest {bottom}): switching costs "
-            "nothing here."
-        )
-    return (
-        f"{where}, {arm} and a plain DataLoader ran alike in all {n} loops "
-        f"({worst.median:.2f}x to {best.median:.2f}x): switching neither gains nor costs here."
+    # No loop was slower in every round; but a median clearly below 1.0 whose rounds straddle it
+    # is no proof of "costs nothing" either: the sentence names it and says what to do.
+    unsure = worst.median < 1.0 - CLEAR
+    lowest = (
+        f"the lowest {worst.median:.2f}x, {worst_name}, its rounds {worst.low:.2f}x to "
+        f"{worst.high:.2f}x"
     )
+    if faster:
+        gained = (
+            f"{where}, {arm} was faster than a plain DataLoader in {len(faster)} of {n} loops "
+            f"(up to {top})"
+        )
+        if unsure:
+            return (
+                f"{gained} and slower in none for certain ({lowest}): use it, and time your "
+                "own loop against max_prefetch=0 where it looks like that one."
+            )
+        return f"{gained} and slower in none (the lowest {bottom}): switching costs nothing here."
+    alike = (
+        f"{where}, {arm} and a plain DataLoader ran alike in all {n} loops "
+        f"({worst.median:.2f}x to {best.median:.2f}x)"
+    )
+    if unsure:
+        return (
+            f"{alike}, none faster or slower in every round ({lowest}): time your own loop "
+            "against max_prefetch=0 before switching."
+        )
+    return f"{alike}: switching neither gains nor costs here."
