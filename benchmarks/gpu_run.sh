@@ -4,7 +4,8 @@
 #
 #     benchmarks/gpu_run.sh STEP OUTDIR
 #
-# A device call may run 10 minutes and a session has 30 minutes of device time, so each step
+# A device call may run 10 minutes and a session has 15 minutes of device time, the machine's
+# start included, so each step
 # ends within STEP_LIMIT seconds (default 420, all its commands together) and writes
 # OUTDIR/<step>-<gpu>.txt line by line: a step cut short still returns what it wrote. The
 # steps, in the order of the standing GPU validation issue (#15):
@@ -20,6 +21,10 @@
 #                         the CUDA section alone; the CPU part takes under a minute): copy
 #                         bandwidth and the end-to-end step. Also OUTDIR/bench-<gpu>.json.
 #                                                                                (#15 runs 3-4)
+#   scripts               benchmarks/gpu/memory.py, step_options.py and threads.py, one after
+#                         another into the one file: memory over 20 epochs and after a break,
+#                         the compute-bound step and the options, the main thread's torch
+#                         thread counts against DataLoader's.                 (#15 runs 4-7)
 #   suite                 Every other test. Not in the plan: outside `cuda`-marked tests the
 #                         machine looks like one without an accelerator (conftest.py), so these
 #                         re-test the CPU path that CI runs and that was recorded with this
@@ -30,27 +35,28 @@
 # to benchmarks/results/ and commit them. The exit status is pytest's or the bench's; 2 for a bad
 # call or no CUDA device; 124 when the step ran out of time.
 #
-# On the device tool's machine (torch 2.11, Python 3.12, no network, no .git) only
-# prefetch_generator is missing. Build its wheel here into .whl/ (ignored by git, so it must be
-# carried), and name the commit. The calls, one per step (each starts a machine unless the last
-# one is still warm):
+# On the device tool's machine (torch 2.11, Python 3.12, no network) only prefetch_generator is
+# missing. Build its wheel here into .whl/ (ignored by git, so it must be carried), and name the
+# commit: the machine's copy of .git may name an older one. On the H200 at 838aba6 the two test
+# steps and memory.py and threads.py took 174 s in one call, the bench 102 s and step_options.py
+# about 70 s, so two calls fit a session's 15 minutes with the machine's start; start the second
+# within the 30 s the machine stays warm:
 #
 #     pip wheel --no-deps prefetch_generator==1.0.3 -w .whl
-#     run(command="PREFETCHX_COMMIT=<sha> benchmarks/gpu_run.sh cuda-tests $OUT", carry=[".whl"], timeout_s=540)
-#     run(command="PREFETCHX_COMMIT=<sha> benchmarks/gpu_run.sh cuda-tests-sanitized $OUT", carry=[".whl"], timeout_s=540)
-#     run(command="PREFETCHX_COMMIT=<sha> benchmarks/gpu_run.sh bench $OUT", carry=[".whl"], timeout_s=540)
+#     run(command="export PREFETCHX_COMMIT=<sha>; STEP_LIMIT=150 benchmarks/gpu_run.sh cuda-tests $OUT; STEP_LIMIT=120 benchmarks/gpu_run.sh cuda-tests-sanitized $OUT", carry=[".whl"], timeout_s=360)
+#     run(command="export PREFETCHX_COMMIT=<sha>; STEP_LIMIT=200 benchmarks/gpu_run.sh bench $OUT; STEP_LIMIT=150 benchmarks/gpu_run.sh scripts $OUT", carry=[".whl"], timeout_s=420)
 set -uo pipefail
 
 usage() {
     echo "usage: benchmarks/gpu_run.sh STEP OUTDIR" >&2
-    echo "  STEP: cuda-tests, cuda-tests-sanitized, bench or suite (see the header)" >&2
+    echo "  STEP: cuda-tests, cuda-tests-sanitized, bench, scripts or suite (see the header)" >&2
     exit 2
 }
 
 [ $# -eq 2 ] || usage
 step=$1
 case "$step" in
-cuda-tests | cuda-tests-sanitized | bench | suite) ;;
+cuda-tests | cuda-tests-sanitized | bench | scripts | suite) ;;
 *) usage ;;
 esac
 out=$2
@@ -123,6 +129,12 @@ cuda-tests-sanitized)
     ;;
 bench)
     logged capped "$python" -m prefetchx bench --json "$out/bench-$slug.json"
+    ;;
+scripts)
+    for script in memory step_options threads; do
+        echo "## python benchmarks/gpu/$script.py" | tee -a "$file"
+        logged capped "$python" "benchmarks/gpu/$script.py"
+    done
     ;;
 suite)
     ignored=()
