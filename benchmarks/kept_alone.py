@@ -36,7 +36,14 @@ workers, against 23. The arms:
   often a chooser keeps the loop alone, and a training loop has no such arm);
 * ``before`` (with ``--before PATH``): DataLoaderX with its choice made by another copy of
   ``prefetchx/_adapt.py``, such as the code before a change
-  (``git show REV:prefetchx/_adapt.py > PATH``), measured in the same runs.
+  (``git show REV:prefetchx/_adapt.py > PATH``), measured in the same runs;
+* ``recipe`` (with ``--recipe``): the BackgroundGenerator recipe over DataLoader, which the
+  grid weighs DataLoaderX's winning cells against.
+
+``--cell KIND,D,C`` runs one constant loop of the grid instead of a shape: KIND (sleep, numpy
+or python), D us of data and C us of step a batch, with ``--workers`` workers. Which of its modes
+is the slower one is read from the run: the loop alone where the thread arm beat plain, the
+thread otherwise, so ``--cell`` needs the thread arm.
 
 A DataLoaderX epoch counts as the loop kept alone when its stage ends the epoch with the loop
 making the batches itself (the incumbent the loader remembers), and as the thread kept
@@ -47,7 +54,8 @@ share of epochs that kept the slower mode of the loop (the loop alone; the threa
 
 Usage:
     python benchmarks/kept_alone.py [--runs 40] [--epochs 8] [--epoch-ms 250] [--shape ramp]
-        [--workers 0] [--before PATH] [--no-thread] [--quick] [--out STEM]
+        [--cell KIND,D,C] [--workers 0] [--before PATH] [--no-thread] [--recipe] [--quick]
+        [--out STEM]
 
 ``--out benchmarks/results/kept_alone-cpu-2core`` writes ``kept_alone-cpu-2core.txt`` (what it
 prints) and ``kept_alone-cpu-2core.json`` (every epoch's time and mode, the machine, the
@@ -80,6 +88,7 @@ ARMS = {
     "prefetchx": "DataLoaderX",
     "thread": "the thread stage over DataLoader, no choice made (adaptive=False)",
     "before": "DataLoaderX with the chooser of --before PATH",
+    "recipe": "the BackgroundGenerator recipe over DataLoader (--recipe)",
 }
 CHOOSERS = ("prefetchx", "before")
 """The arms whose stage chooses between the thread and the loop."""
@@ -94,6 +103,9 @@ WORKERS = "workers"
 """The ``--shape`` of the loop with workers where the thread is slower (the grid's worst cell)."""
 THREAD_SLOWER = (PYTHON, WORKERS)
 """The ``--shape``s whose slower mode is the thread."""
+CELL = "cell"
+"""The shape a ``--cell`` run records: one constant loop, its slower mode read from the run."""
+CELL_KINDS = ("sleep", "numpy", "python")
 
 
 def load_chooser(path: str) -> ModuleType:
@@ -148,7 +160,12 @@ def the_loop(shape: str, epoch_ms: float, workers: int = 0) -> grid.Cell:
 
 
 def one_run(
-    cell: grid.Cell, epochs: int, before: ModuleType | None, thread: bool = True, start: int = 0
+    cell: grid.Cell,
+    epochs: int,
+    before: ModuleType | None,
+    thread: bool = True,
+    start: int = 0,
+    recipe: bool = False,
 ) -> dict[str, Any]:
     """Fresh loaders of ``cell``, ``epochs`` interleaved epochs of each arm: every epoch's
     seconds, and for the DataLoaderX arms whether the loop alone ended it. The epochs follow
@@ -163,6 +180,8 @@ def one_run(
     if thread:
         forced = grid.ForcedThread(LOADERS["plain"](dataset, MAX_PREFETCH, common), MAX_PREFETCH)
         loaders["thread"] = forced
+    if recipe:
+        loaders["recipe"] = LOADERS["recipe"](dataset, MAX_PREFETCH, common)
     modules: dict[str, ModuleType | None] = {arm: None for arm in loaders}
     if before is not None:
         loaders["before"] = LOADERS["prefetchx"](dataset, MAX_PREFETCH, common)
@@ -237,14 +256,35 @@ SLOWER = {
 }
 
 
-def counted(shape: str) -> Slower:
+def counted(shape: str, figures: dict[str, Any] | None = None) -> Slower:
     """The slower mode of the loop ``shape``: the thread in the pure-Python loop and the one
-    with workers, the loop alone in the numpy ones without."""
+    with workers, the loop alone in the numpy ones without; for a `CELL`, the loop alone where
+    the thread arm of ``figures`` beat plain, the thread otherwise."""
+    if shape == CELL:
+        if figures is None or "thread" not in figures:
+            raise ValueError("a --cell run reads its slower mode from the thread arm")
+        return SLOWER["alone" if figures["thread"]["vs_plain_median"] > 1.0 else "thread"]
     return SLOWER["thread" if shape in THREAD_SLOWER else "alone"]
 
 
+def cell_of(value: str) -> tuple[str, float, float]:
+    """An argparse type for ``--cell``: KIND,D,C with D and C in microseconds."""
+    parts = value.split(",")
+    if len(parts) != 3 or parts[0] not in CELL_KINDS:
+        raise argparse.ArgumentTypeError(
+            f"expected KIND,D,C with KIND one of {', '.join(CELL_KINDS)}, got {value!r}"
+        )
+    try:
+        data_us, step_us = float(parts[1]), float(parts[2])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"D and C must be numbers of us, got {value!r}") from None
+    if not (data_us >= 0 and step_us >= 0):
+        raise argparse.ArgumentTypeError(f"D and C must be 0 or more, got {value!r}")
+    return parts[0], data_us, step_us
+
+
 def render(meta: dict[str, Any], cell: grid.Cell, figures: dict[str, Any], conclusion: str) -> str:
-    slower = counted(meta["shape"])
+    slower = counted(meta["shape"], figures)
     mode = slower.prefix
     lines = [
         meta_line(meta),
@@ -277,7 +317,7 @@ def render(meta: dict[str, Any], cell: grid.Cell, figures: dict[str, Any], concl
 
 
 def conclude(figures: dict[str, Any], quick: bool, shape: str) -> str:
-    slower = counted(shape)
+    slower = counted(shape, figures)
     mode = slower.prefix
     ours = figures["prefetchx"]
     text = (
@@ -287,6 +327,8 @@ def conclude(figures: dict[str, Any], quick: bool, shape: str) -> str:
     )
     if "thread" in figures:
         text += f" where the thread kept on gives {figures['thread']['vs_plain_median']:.3f}x"
+    if "recipe" in figures:
+        text += f" and the recipe {figures['recipe']['vs_plain_median']:.3f}x"
     text += "."
     if "before" in figures:
         b = figures["before"]
@@ -320,11 +362,18 @@ def main(argv: list[str] | None = None) -> int:
         "workers: numpy, 20 us and 20 us, 2 workers",
     )
     parser.add_argument(
+        "--cell",
+        type=cell_of,
+        metavar="KIND,D,C",
+        help="one constant loop of the grid instead of --shape: KIND sleep, numpy or python, "
+        "D and C us a batch, with --workers workers",
+    )
+    parser.add_argument(
         "--workers",
         type=worker_count,
         default=0,
         metavar="N",
-        help="DataLoader workers of the shaped numpy loops (default 0; the grid's have 0 and 2)",
+        help="DataLoader workers of the shaped numpy loops and of --cell (default 0)",
     )
     parser.add_argument("--before", metavar="PATH", help="a copy of prefetchx/_adapt.py")
     parser.add_argument(
@@ -333,28 +382,39 @@ def main(argv: list[str] | None = None) -> int:
         help="leave the thread arm out (its epochs between the others change how often a "
         "chooser keeps the loop alone)",
     )
+    parser.add_argument("--recipe", action="store_true", help="add the recipe's arm")
     parser.add_argument("--quick", action="store_true", help="2 runs of 3 short epochs (tests)")
     parser.add_argument("--out", metavar="STEM", help="write STEM.txt and STEM.json")
     args = parser.parse_args(argv)
     if not args.epoch_ms > 0:
         parser.error(f"--epoch-ms must be above 0, got {args.epoch_ms}")
-    if args.workers and args.shape in THREAD_SLOWER:
+    if args.workers and args.shape in THREAD_SLOWER and args.cell is None:
         parser.error(f"--workers is for the shaped numpy loops, not --shape {args.shape}")
+    if args.cell is not None and args.no_thread:
+        parser.error("--cell reads the loop's slower mode from the thread arm: drop --no-thread")
     runs, epochs, epoch_ms = (2, 3, 20.0) if args.quick else (args.runs, args.epochs, args.epoch_ms)
     try:
         before = load_chooser(args.before) if args.before else None
     except ValueError as exc:
         parser.error(f"--before: {exc}")
-    cell = the_loop(args.shape, epoch_ms, args.workers)
+    if args.cell is None:
+        cell, shape = the_loop(args.shape, epoch_ms, args.workers), args.shape
+    else:
+        kind, data_us, step_us = args.cell
+        one = grid.Cell(kind, args.workers, data_us / 1e3, step_us / 1e3)
+        cell, shape = grid._sized([one], epoch_ms, grid.OVERHEAD_MS)[0], CELL
     meta = {**machine_meta(), "runs": runs, "epochs": epochs, "epoch_ms": epoch_ms}
-    meta |= {"shape": args.shape, "before": args.before, "thread": not args.no_thread}
+    meta |= {"shape": shape, "before": args.before, "thread": not args.no_thread}
+    meta["recipe"] = args.recipe
     meta["quick"] = args.quick
     done = []
     for n in range(runs):
-        done.append(one_run(cell, epochs, before, thread=not args.no_thread, start=n))
+        done.append(
+            one_run(cell, epochs, before, thread=not args.no_thread, start=n, recipe=args.recipe)
+        )
         print(f"run {n + 1}/{runs}", file=sys.stderr, flush=True)
     figures = summarize(done)
-    conclusion = conclude(figures, args.quick, args.shape)
+    conclusion = conclude(figures, args.quick, shape)
     text = render(meta, cell, figures, conclusion)
     print(text, end="")
     if args.out:

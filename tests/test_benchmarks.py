@@ -546,6 +546,11 @@ def test_kept_alone_counts_the_thread_kept_where_the_loop_alone_is_faster(
         (["--workers", "-1"], "argument --workers: must be >= 0, got -1"),
         (["--workers", "two"], "argument --workers: must be an integer >= 0, got 'two'"),
         (["--shape", "python", "--workers", "2"], "--workers is for the shaped numpy loops"),
+        (["--cell", "jpeg,20,200"], "argument --cell: expected KIND,D,C with KIND one of"),
+        (["--cell", "python,20"], "argument --cell: expected KIND,D,C"),
+        (["--cell", "python,x,200"], "argument --cell: D and C must be numbers of us"),
+        (["--cell", "python,-1,200"], "argument --cell: D and C must be 0 or more"),
+        (["--cell", "python,20,200", "--no-thread"], "--cell reads the loop's slower mode"),
     ],
 )
 def test_kept_alone_refuses_a_bad_option_before_anything_runs(
@@ -569,6 +574,38 @@ def test_kept_alone_runs_a_shaped_loop_with_the_workers_asked_for(
     cell = kept.the_loop("phases", 20.0, workers)
     assert (cell.kind, cell.workers, cell.shape) == ("numpy", workers, "phases")
     assert cell.label.endswith(f"{workers} workers")
+
+
+def test_kept_alone_runs_one_cell_of_the_grid_beside_the_recipe(tmp_path: Path) -> None:
+    # A sleep loop of 200 us of data and of step: the thread hides the data, so the slower mode
+    # read from the run is the loop alone. The recipe runs in every epoch, as the others do.
+    stem = tmp_path / "kept"
+    args = ("--quick", "--cell", "sleep,200,200", "--recipe", "--out", str(stem))
+    done = _run("kept_alone", *args)
+    assert done.returncode == 0, done.stderr
+    record = json.loads(Path(f"{stem}.json").read_text())
+    assert record["cell"].startswith("sleep, D 200 us, C 200 us, 0 workers")
+    assert (record["meta"]["shape"], record["meta"]["recipe"]) == ("cell", True)
+    assert set(record["figures"]) == {"plain", "prefetchx", "thread", "recipe"}
+    assert all(len(run["epochs_s"]["recipe"]) == 3 for run in record["runs"])
+    recipe = record["figures"]["recipe"]["vs_plain_median"]
+    assert f"and the recipe {recipe:.3f}x." in record["conclusion"]
+    thread = record["figures"]["thread"]["vs_plain_median"]
+    slower = "loop alone" if thread > 1.0 else "thread"
+    assert f"DataLoaderX kept the {slower} in " in record["conclusion"]
+
+
+def test_a_cell_run_counts_the_mode_its_thread_arm_says_is_slower(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    kept = _program("kept_alone")
+    won = {"thread": {"vs_plain_median": 1.2}}
+    lost = {"thread": {"vs_plain_median": 0.9}}
+    assert kept.counted("cell", won).prefix == "alone"
+    assert kept.counted("cell", lost).prefix == "thread"
+    with pytest.raises(ValueError, match="thread arm"):
+        kept.counted("cell", {})
 
 
 def test_kept_alone_without_the_thread_arm_runs_the_others_alone(tmp_path: Path) -> None:
