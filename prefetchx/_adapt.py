@@ -263,6 +263,9 @@ class Chooser:
         batch and the incumbent's last window's before it (see `_lost_to_a_move`)."""
         self._settled = 0
         """Batches of the last settling window asked for."""
+        self._after_settle = False
+        """Whether the window now running is the incumbent's first after a settling within
+        the epoch: cut short by the epoch's end, it is the epoch's tail (see `window`)."""
         self._returned = 0.0
         """Where the loop settles slowly, after a lost probe: what the incumbent's settling
         window on its return cost over its figure, in batches of its time (see `_pace`)."""
@@ -308,6 +311,7 @@ class Chooser:
         memory.stayed += self._length
         period = memory.seen = max(period, TICK_S)  # compared as a ratio below
         deferrable = self._deferrable and not memory.settle_s  # there it goes on (`_settle`)
+        after_settle, self._after_settle = self._after_settle, False
         if ending and memory.probing and deferrable and self._probed_by() < PEEK:
             return self._put_off()
         if self._settling:
@@ -320,6 +324,7 @@ class Chooser:
             if memory.probing:  # the probe's measured window: its first batches, a look
                 self._probed, self._probed_s = 0, 0.0
                 return self._run(self.threaded, self._span() if memory.settle_s else PEEK)
+            self._after_settle = True
             return self._run(self.threaded, self._span())
         if memory.probing:
             return self._probe(period, ending)
@@ -337,6 +342,14 @@ class Chooser:
             if self._lost_to_a_move(period):
                 return self._take_over()
         if math.isnan(smooth):
+            if after_settle and ending and memory.settle_s:
+                # Where the loop settles slowly, a probe is weighed over a whole epoch (see
+                # `SLOW_WINDOW_S`), and this window is an epoch's tail: a loader's first epoch
+                # after its settling, or one after the other mode took over. No figure from it:
+                # the next epoch's first window sets it. A figure from the first epoch's tail
+                # read 0.55 ms a batch where the loop's epochs ran at 1.2 ms; the thread, 0.91
+                # over its whole epoch, lost to it and was not probed again for 67 epochs.
+                return self._run(mode, self._span())
             memory.smooth = memory.reference = memory.last = period
         elif self._far_off(period):
             held, memory.held = memory.held, math.nan

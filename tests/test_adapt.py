@@ -867,3 +867,42 @@ def test_where_a_loop_settles_slowly_the_first_probe_waits_until_the_loop_has_se
     fast = Loop(Chooser(Memory()), inline=1 * MS, threaded=0.5 * MS)
     fast.run(2)
     assert fast.modes == [False, True]  # a loop that settles at once: the probe comes at once
+
+
+def test_where_a_loop_settles_slowly_an_epochs_tail_sets_no_figure() -> None:
+    # Traced in the grid's Python loop of 200 us data and 20 us step with 2 workers, epochs of
+    # about 675 batches: the loader's first epoch settled 0.5 s, then its tail of 115 batches
+    # read 0.55 ms a batch, where the loop alone ran its whole epochs at 1.17 ms. The thread,
+    # 0.91 ms over its whole epoch, lost to that tail and was not probed again for 67 epochs.
+    memory = Memory()
+    memory.settle_s = SLOW_SETTLE_S
+    first = Chooser(memory)
+    assert first.start() == (False, FIRST)
+    assert first.window(0.9 * MS, _means()) == (False, math.ceil(SLOW_SETTLE_S / (0.9 * MS)))
+    assert first.window(0.65 * MS, _means())[0] is False
+    first.cut(115)
+    first.window(0.55 * MS, _means(), ending=True)
+    assert not memory.probing  # the tail is no figure: the loop alone runs the next epoch
+    assert math.isnan(memory.smooth)
+    second = Chooser(memory)
+    assert second.start()[0] is False
+    second.cut(671)
+    second.window(1.17 * MS, _means(), ending=True)
+    assert memory.smooth == pytest.approx(1.17 * MS)
+    assert memory.probing  # the figure is the whole epoch's: the thread is probed against it
+    third = Chooser(memory)
+    assert third.start() == (True, SETTLE)
+    third.window(0.9 * MS, _means())
+    third.cut(667)
+    third.window(0.91 * MS, _means(), ending=True)
+    assert memory.threaded is True
+    # An epoch longer than a window: the window after the settling runs whole, not cut short,
+    # and sets the figure as before.
+    long = Memory()
+    long.settle_s = SLOW_SETTLE_S
+    chooser = Chooser(long)
+    chooser.start()
+    chooser.window(1 * MS, _means())
+    chooser.window(1 * MS, _means())
+    chooser.window(1 * MS, _means())
+    assert long.smooth == pytest.approx(1 * MS)
