@@ -31,9 +31,10 @@ workers, against 23. The arms:
 
 * ``plain``: DataLoader, the baseline;
 * ``prefetchx``: DataLoaderX;
-* ``thread``: the thread stage over DataLoader with no choice made (``adaptive=False``): what
-  the thread gives (left out with ``--no-thread``: its epochs between the others' change how
-  often a chooser keeps the loop alone, and a training loop has no such arm);
+* ``thread``: the thread stage over DataLoader with no choice made (``adaptive=False``), over
+  workers making every batch as DataLoaderX's does (``steal=False``): what the thread gives
+  (left out with ``--no-thread``: its epochs between the others' change how often a chooser
+  keeps the loop alone, and a training loop has no such arm);
 * ``before`` (with ``--before PATH``): DataLoaderX with its choice made by another copy of
   ``prefetchx/_adapt.py``, such as the code before a change
   (``git show REV:prefetchx/_adapt.py > PATH``), measured in the same runs;
@@ -156,7 +157,14 @@ def the_loop(shape: str, epoch_ms: float, workers: int = 0) -> grid.Cell:
         cell = grid.Cell("numpy", 2, 0.02, 0.02)
     else:
         cell = grid.Cell("numpy", workers, grid.SHAPE_DATA_MS, grid.LONG_MS / 2, shape)
-    return grid._sized([cell], epoch_ms, grid.OVERHEAD_MS)[0]
+    return sized(cell, epoch_ms)
+
+
+def sized(cell: grid.Cell, epoch_ms: float) -> grid.Cell:
+    """``cell`` with its epoch sized to about ``epoch_ms``, from the grid's rough cost of a
+    DataLoader's batch without workers and with them, whatever their number."""
+    overhead = grid.OVERHEAD_MS[2 if cell.workers else 0]
+    return grid._sized([cell], epoch_ms, {cell.workers: overhead})[0]
 
 
 def one_run(
@@ -178,7 +186,9 @@ def one_run(
     plain, ours = (LOADERS[arm](dataset, MAX_PREFETCH, common) for arm in ("plain", "prefetchx"))
     loaders: dict[str, Iterable[Any]] = {"plain": plain, "prefetchx": ours}
     if thread:
-        forced = grid.ForcedThread(LOADERS["plain"](dataset, MAX_PREFETCH, common), MAX_PREFETCH)
+        plain_too = LOADERS["plain"](dataset, MAX_PREFETCH, common)
+        # Over workers, as DataLoaderX's: the thread makes every batch (`Pipeline.fed_by`).
+        forced = grid.ForcedThread(plain_too, MAX_PREFETCH, steal=workers == 0)
         loaders["thread"] = forced
     if recipe:
         loaders["recipe"] = LOADERS["recipe"](dataset, MAX_PREFETCH, common)
@@ -402,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         kind, data_us, step_us = args.cell
         one = grid.Cell(kind, args.workers, data_us / 1e3, step_us / 1e3)
-        cell, shape = grid._sized([one], epoch_ms, grid.OVERHEAD_MS)[0], CELL
+        cell, shape = sized(one, epoch_ms), CELL
     meta = {**machine_meta(), "runs": runs, "epochs": epochs, "epoch_ms": epoch_ms}
     meta |= {"shape": shape, "before": args.before, "thread": not args.no_thread}
     meta["recipe"] = args.recipe

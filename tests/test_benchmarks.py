@@ -731,3 +731,31 @@ def test_mode_trace_refuses_a_bad_option_before_anything_runs(args: list[str], s
     assert shown in done.stderr
     assert "Traceback" not in done.stderr
     assert done.stdout == ""
+
+
+def test_the_quick_steal_run_times_the_thread_with_and_without_taking_its_calls(
+    tmp_path: Path,
+) -> None:
+    stem = tmp_path / "steal"
+    done = _run("steal", "--quick", "--cell", "sleep,200,200", "--workers", "1", "--out", str(stem))
+    assert done.returncode == 0, done.stderr
+    text = Path(f"{stem}.txt").read_text()
+    record = json.loads(Path(f"{stem}.json").read_text())
+    assert record["cell"].startswith("sleep, D 200 us, C 200 us, 1 workers")
+    assert set(record["figures"]) == {"plain", "steal", "no steal", "recipe"}
+    assert all(len(times) == 3 for times in record["epochs_s"].values())
+    assert record["figures"]["plain"] == 1.0
+    got = record["figures"]
+    assert f"({got['no steal']:.3f}x against {got['steal']:.3f}x plain" in record["conclusion"]
+    assert record["conclusion"] in text
+    assert text.splitlines()[0].startswith("prefetchx ")
+
+
+@pytest.mark.parametrize("program", ["steal", "kept_alone"])
+def test_any_number_of_workers_sizes_a_cell(program: str, tmp_path: Path) -> None:
+    # The grid sizes epochs from its cost of a batch with 0 and with 2 workers only: 3 workers
+    # raised KeyError before the first epoch.
+    args = ["--quick", "--workers", "3", "--cell", "sleep,20,20"]
+    done = _run(program, *args, "--out", str(tmp_path / program))
+    assert done.returncode == 0, done.stderr
+    assert "3 workers" in json.loads((tmp_path / f"{program}.json").read_text())["cell"]

@@ -1001,6 +1001,21 @@ def test_switching_between_thread_and_loop_every_other_batch_keeps_dataloaders_e
     assert torch.equal(got["DataLoaderX"][1], got["DataLoader"][1])
 
 
+@pytest.mark.parametrize(("num_workers", "steal"), [(0, True), (2, False)])
+def test_over_worker_processes_the_loop_takes_no_call_from_the_running_thread(
+    num_workers: int, steal: bool
+) -> None:
+    # With workers, a call of DataLoader's iterator mostly waits for a worker's batch: the
+    # thread is there to hide that wait. A loop that made the batch itself whenever the thread
+    # was between two calls waited there instead, and ran 1% to 4% slower than the recipe in
+    # the grid's Python loops with 2 workers. Without workers it saves a wake-up, as before.
+    dataset = list(range(40))
+    loader = DataLoaderX(dataset, batch_size=4, num_workers=num_workers)
+    iterator = iter(loader)
+    assert iterator._stage._steal is steal
+    assert [b.tolist() for b in iterator] == [b.tolist() for b in DataLoader(dataset, batch_size=4)]
+
+
 @pytest.mark.parametrize(("num_workers", "slow"), [(0, False), (1, True)])
 def test_a_loader_whose_workers_take_every_cpu_settles_its_switches_slowly(
     num_workers: int, slow: bool, monkeypatch: pytest.MonkeyPatch

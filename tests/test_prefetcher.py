@@ -206,3 +206,7 @@ def test_a_prefetcher_over_workers_that_take_every_cpu_settles_its_switches_slow
     assert as_lists(prefetcher) == as_lists(loader)
     assert prefetcher._pipeline.memory.settle_s == (_adapt.SLOW_SETTLE_S if slow else 0.0)
     assert Prefetcher(range(3))._pipeline.memory.settle_s == 0.0  # not iterated: unset
+    # Over workers the running thread makes every batch (see Pipeline.fed_by).
+    iterator = iter(prefetcher)
+    assert iterator._stage._steal is (num_workers == 0)
+    iterator.close()
