@@ -71,8 +71,9 @@ class Pipeline:
         hiding that wait is what the thread is for: a loop that made the batch itself whenever
         the thread was between two calls would wait there instead, and back the thread off for
         2 to 64 batches (`prefetchx._producer.MAX_PATIENCE`). So the thread makes every batch
-        while it runs. In the grid's Python loops with 2 workers, over 100 paired rounds, the
-        thread kept on ran 1.3% to 4.3% faster so, level with the recipe."""
+        while it runs. In three of the grid's loops with 2 workers, over 100 paired rounds, the
+        thread kept on ran 2.2% to 4.1% faster so, level with the recipe
+        (``benchmarks/steal.py``)."""
         self.memory.settle_s = settle_for(workers)
         self.steal = workers == 0
 
