@@ -488,8 +488,10 @@ class Chooser:
         memory = self.memory
         span = self._span()
         if self._probed < span and not (ending and self._probed >= PEEK):
+            if memory.settle_s:  # measured whole there: no look before its end
+                return self._run(self.threaded, span - self._probed)
             noise = memory.spread * math.sqrt(span / self._probed)
-            if memory.settle_s or period <= memory.smooth * (1 + MARGIN) + 2 * noise:
+            if period <= memory.smooth * (1 + MARGIN) + 2 * noise:
                 return self._run(self.threaded, span - self._probed)
         return self._decide(period)
 

@@ -1013,7 +1013,8 @@ def test_over_worker_processes_the_loop_takes_no_call_from_the_running_thread(
     loader = DataLoaderX(dataset, batch_size=4, num_workers=num_workers)
     iterator = iter(loader)
     assert iterator._stage._steal is steal
-    assert [b.tolist() for b in iterator] == [b.tolist() for b in DataLoader(dataset, batch_size=4)]
+    plain = DataLoader(dataset, batch_size=4, num_workers=num_workers)
+    assert [b.tolist() for b in iterator] == [b.tolist() for b in plain]
 
 
 @pytest.mark.parametrize(("num_workers", "slow"), [(0, False), (1, True)])
