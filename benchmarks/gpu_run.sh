@@ -25,6 +25,11 @@
 #                         another into the one file: memory over 20 epochs and after a break,
 #                         the compute-bound step and the options, the main thread's torch
 #                         thread counts against DataLoader's.                 (#15 runs 4-7)
+#   paired                benchmarks/gpu/step_paired.py: the bench's end-to-end step with 13
+#                         paired rounds, each arm against apex-style in the same round, and
+#                         DataLoaderX without its thread and with device_prefetch=2. The
+#                         bench's 5 unpaired medians cannot tell a 1% gap from noise; this
+#                         can.                                                   (#15 run 4)
 #   suite                 Every other test. Not in the plan: outside `cuda`-marked tests the
 #                         machine looks like one without an accelerator (conftest.py), so these
 #                         re-test the CPU path that CI runs and that was recorded with this
@@ -37,26 +42,27 @@
 #
 # On the device tool's machine (torch 2.11, Python 3.12, no network) only prefetch_generator is
 # missing. Build its wheel here into .whl/ (ignored by git, so it must be carried), and name the
-# commit: the machine's copy of .git may name an older one. On the H200 at 838aba6 the two test
-# steps and memory.py and threads.py took 174 s in one call, the bench 102 s and step_options.py
-# about 70 s, so two calls fit a session's 15 minutes with the machine's start; start the second
-# within the 30 s the machine stays warm:
+# commit: the machine's copy of .git may name an older one. On the H200 at 1abc908 the two test
+# steps took 125 s, the bench 92 s, scripts 79 s and paired about 100 s, so two calls fit a
+# session's 15 minutes with the machine's start; start the second within the 30 s the machine
+# stays warm. (benchmarks/jpeg_pipeline.py, a CPU benchmark, did 4 of its 6 configurations in
+# 190 s on that host with --images 256: give it --threads or --workers to fit.)
 #
 #     pip wheel --no-deps prefetch_generator==1.0.3 -w .whl
-#     run(command="export PREFETCHX_COMMIT=<sha>; STEP_LIMIT=150 benchmarks/gpu_run.sh cuda-tests $OUT; STEP_LIMIT=120 benchmarks/gpu_run.sh cuda-tests-sanitized $OUT", carry=[".whl"], timeout_s=360)
-#     run(command="export PREFETCHX_COMMIT=<sha>; STEP_LIMIT=200 benchmarks/gpu_run.sh bench $OUT; STEP_LIMIT=150 benchmarks/gpu_run.sh scripts $OUT", carry=[".whl"], timeout_s=420)
+#     run(command="export PREFETCHX_COMMIT=<sha>; STEP_LIMIT=140 benchmarks/gpu_run.sh cuda-tests $OUT; STEP_LIMIT=100 benchmarks/gpu_run.sh cuda-tests-sanitized $OUT; STEP_LIMIT=150 benchmarks/gpu_run.sh bench $OUT", carry=[".whl"], timeout_s=420)
+#     run(command="export PREFETCHX_COMMIT=<sha>; STEP_LIMIT=130 benchmarks/gpu_run.sh scripts $OUT; STEP_LIMIT=140 benchmarks/gpu_run.sh paired $OUT", carry=[".whl"], timeout_s=300)
 set -uo pipefail
 
 usage() {
     echo "usage: benchmarks/gpu_run.sh STEP OUTDIR" >&2
-    echo "  STEP: cuda-tests, cuda-tests-sanitized, bench, scripts or suite (see the header)" >&2
+    echo "  STEP: cuda-tests, cuda-tests-sanitized, bench, scripts, paired or suite (see the header)" >&2
     exit 2
 }
 
 [ $# -eq 2 ] || usage
 step=$1
 case "$step" in
-cuda-tests | cuda-tests-sanitized | bench | scripts | suite) ;;
+cuda-tests | cuda-tests-sanitized | bench | scripts | paired | suite) ;;
 *) usage ;;
 esac
 out=$2
@@ -135,6 +141,9 @@ scripts)
         echo "## python benchmarks/gpu/$script.py" | tee -a "$file"
         logged capped "$python" "benchmarks/gpu/$script.py"
     done
+    ;;
+paired)
+    logged capped "$python" benchmarks/gpu/step_paired.py --rounds 13
     ;;
 suite)
     ignored=()

@@ -11,6 +11,7 @@ first: the noise of the targets' comparisons).
 
 Usage:
     python benchmarks/jpeg_pipeline.py [--quick] [--rounds N] [--images N] [--out STEM]
+        [--threads N [N ...]] [--workers N [N ...]]
 
 ``--out benchmarks/results/jpeg_pipeline-cpu-2core`` writes ``jpeg_pipeline-cpu-2core.txt``
 (the table, its legend and summary) and ``jpeg_pipeline-cpu-2core.json`` (every round's
@@ -147,6 +148,20 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--images", type=int, default=512, metavar="N", help="per epoch (512)")
     p.add_argument("--batch-size", type=int, default=16, metavar="N", help="default 16")
+    p.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="torch threads to run (default 1 2; 1 with --quick): fewer, to fit a time limit",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="DataLoader workers to run (default 0 1 2; 0 1 with --quick)",
+    )
     add_options(p, "benchmarks/results/jpeg_pipeline-cpu-2core")
     return p
 
@@ -155,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     images, batch_size = (8, 4) if args.quick else (args.images, args.batch_size)
     threads, workers = ((1,), (0, 1)) if args.quick else (THREADS, WORKERS)
+    threads, workers = args.threads or threads, args.workers or workers
+    for name, values, low in (("--threads", threads, 1), ("--workers", workers, 0)):
+        if min(values) < low:
+            parser().error(f"{name} must be >= {low}, got {min(values)}")
     meta = {
         **machine_meta(),
         "rounds": args.rounds,

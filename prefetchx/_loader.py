@@ -87,7 +87,9 @@ class DataLoaderX(DataLoader[T_co]):
         dataset: The dataset, as `DataLoader`'s.
         *args: Positional `DataLoader` arguments after ``dataset``.
         max_prefetch: Batches the background thread keeps ready. ``0`` runs no thread: batches
-            are produced in the caller's thread as by `DataLoader`.
+            are produced in the caller's thread as by `DataLoader`; with a CUDA target they
+            are pinned there too, unless ``pin_memory=True`` gives that to DataLoader's pin
+            thread.
         device: Where batches go: ``None`` for the current accelerator if there is one, else
             the CPU (no transfer); or a device such as ``"cuda:1"``. Checked when the loader is
             built, without initializing CUDA (fork-based launchers need that); a device without

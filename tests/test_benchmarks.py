@@ -312,6 +312,20 @@ def test_the_quick_jpeg_pipeline_writes_its_table_and_record(tmp_path: Path) -> 
     assert "every arm normalizes in its collate_fn" in " ".join(text.split())
 
 
+def test_the_jpeg_pipeline_runs_the_configurations_asked_for(tmp_path: Path) -> None:
+    pytest.importorskip("PIL")
+    stem = tmp_path / "jpeg"
+    done = _run("jpeg_pipeline", "--quick", "--workers", "1", "--out", str(stem))
+    _, record = _recorded(stem, done, GRID_ARMS)
+    assert [(r["torch_threads"], r["num_workers"]) for r in record["results"]] == [(1, 1)]
+
+
+def test_the_jpeg_pipeline_refuses_a_negative_worker_count() -> None:
+    done = _run("jpeg_pipeline", "--quick", "--workers", "-1")
+    assert done.returncode == 2
+    assert "--workers must be >= 0, got -1" in done.stderr
+
+
 def _jpeg_result(program: ModuleType, workers: int, **medians: float) -> Any:
     """A JPEG configuration whose arms read ``medians`` over plain in every one of 5 rounds."""
     medians = {"plain": 1.0, **medians}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -255,11 +255,13 @@ class TimmStylePrefetcher:
 
 @dataclass
 class StepResult:
-    """End-to-end epoch time of one arm, and its ratio to the data-on-GPU bound."""
+    """End-to-end epoch time of one arm (the median), its ratio to the data-on-GPU bound, and
+    every round's epoch (rounds in the order run, to pair arms round by round)."""
 
     arm: str
     epoch_s: float
     vs_bound: float
+    rounds_s: tuple[float, ...] = ()
 
 
 def _model(device: torch.device, channels: int) -> torch.nn.Module:
@@ -283,13 +285,15 @@ def measure_step(
     rounds: int = 5,
     channels: int = 64,
     num_workers: int = 4,
+    variants: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[StepResult]:
     """A small conv net trained on uint8 3x224x224 batches, fed five ways from the same workers.
 
     plain (``.to`` and normalize in the loop), apex-style and timm-style prefetchers all iterate
     one ``DataLoader`` with ``num_workers`` persistent workers and ``pin_memory=True``;
     DataLoaderX has the same workers (it pins in its thread); the bound iterates batches already
-    normalized on the GPU.
+    normalized on the GPU. ``variants``: more DataLoaderX arms, by name, with these keyword
+    arguments besides the others'.
     """
     device = torch.device("cuda", torch.cuda.current_device())
     model = _model(device, channels)
@@ -309,7 +313,10 @@ def measure_step(
         optimizer.step()
 
     plain_loader = DataLoader(dataset, pin_memory=True, **workers)
-    ours: DataLoaderX[Any] = DataLoaderX(dataset, device=device, mean=MEAN, std=STD, **workers)
+    ours = {
+        name: DataLoaderX(dataset, device=device, mean=MEAN, std=STD, **workers, **kwargs)
+        for name, kwargs in {"prefetchx": {}, **(variants or {})}.items()
+    }
     apex_style = ApexStylePrefetcher(plain_loader, device)
     timm_style = TimmStylePrefetcher(plain_loader, device)
     on_gpu = [((x.to(device).float() - mean) / std, y.to(device)) for x, y in plain_loader]
@@ -332,7 +339,7 @@ def measure_step(
         "plain": plain,
         "apex-style": over(apex_style),
         "timm-style": over(timm_style),
-        "prefetchx": over(ours),
+        **{name: over(loader) for name, loader in ours.items()},
         "data-on-gpu": over(on_gpu),
     }
     for fn in arms.values():
@@ -343,10 +350,11 @@ def measure_step(
         for name in names[r % len(names) :] + names[: r % len(names)]:
             torch.cuda.synchronize()
             times[name].append(_events_time(arms[name]))
-    ours.close()
+    for loader in ours.values():
+        loader.close()
     bound_s = statistics.median(times["data-on-gpu"])
     return [
-        StepResult(name, statistics.median(t), statistics.median(t) / bound_s)
+        StepResult(name, statistics.median(t), statistics.median(t) / bound_s, tuple(t))
         for name, t in times.items()
     ]
 
