@@ -264,8 +264,12 @@ class Chooser:
         self._settled = 0
         """Batches of the last settling window asked for."""
         self._after_settle = False
-        """Whether the window now running is the incumbent's first after a settling within
-        the epoch: cut short by the epoch's end, it is the epoch's tail (see `window`)."""
+        """Whether the window now running is the incumbent's first after a slow settling
+        (`SLOW_SETTLE_S`) within the epoch: cut short by the epoch's end, it is the epoch's
+        tail (see `window`). Not after the few batches of an epoch's start, in which the
+        thread fills its queue: the window after those is the epoch, less them."""
+        self._settled_slowly = False
+        """Whether the settling window now running is a slow one (`SLOW_SETTLE_S`)."""
         self._returned = 0.0
         """Where the loop settles slowly, after a lost probe: what the incumbent's settling
         window on its return cost over its figure, in batches of its time (see `_pace`)."""
@@ -324,7 +328,7 @@ class Chooser:
             if memory.probing:  # the probe's measured window: its first batches, a look
                 self._probed, self._probed_s = 0, 0.0
                 return self._run(self.threaded, self._span() if memory.settle_s else PEEK)
-            self._after_settle = True
+            self._after_settle = self._settled_slowly
             return self._run(self.threaded, self._span())
         if memory.probing:
             return self._probe(period, ending)
@@ -627,6 +631,7 @@ class Chooser:
             length, memory.settle_left = max(length, memory.settle_left), 0
         elif switched and memory.settle_s:
             length = max(length, self._batches_in(memory.settle_s))
+        self._settled_slowly = bool(memory.settle_s) and switched
         self._settled = length
         return self._run(self.threaded, length)
 

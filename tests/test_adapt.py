@@ -906,3 +906,20 @@ def test_where_a_loop_settles_slowly_an_epochs_tail_sets_no_figure() -> None:
     chooser.window(1 * MS, _means())
     chooser.window(1 * MS, _means())
     assert long.smooth == pytest.approx(1 * MS)
+
+
+def test_where_a_loop_settles_slowly_a_threaded_incumbent_takes_its_figure_from_its_epochs() -> None:
+    # A threaded epoch begins with 4 batches in which the thread fills its queue; the window
+    # after them is the epoch, less those 4, and not a tail after a slow settling. Counted as
+    # one, a thread that took over with no figure yet (as a probe lost to a move does) never
+    # got one, and was never probed against again.
+    memory = _slow()
+    memory.threaded, memory.smooth = True, math.nan
+    chooser = Chooser(memory)
+    assert chooser.start() == (True, SETTLE)
+    assert chooser.window(1 * MS, _means()) == (True, LONGEST)
+    chooser.cut(996)
+    chooser.window(0.8 * MS, _means(), ending=True)
+    assert memory.smooth == pytest.approx(0.8 * MS)
+    assert memory.probing  # due after its first figure: the loop alone is probed against it
+    assert Chooser(memory).start() == (False, SETTLE_INLINE)
