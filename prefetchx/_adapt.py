@@ -109,7 +109,11 @@ workers anew after a switch, and the pace moves for 0.3 s to over 1.5 s: on the 
 a switch (what a probe of 20 batches sees) and 1.21 to 1.28 once settled in one loop, 0.74 and
 1.11 in another, and 1.03 and 0.93 in a third, where it wins (``benchmarks/mode_trace.py``).
 With 1 worker, or none, a mode's pace shows within a few batches, as `SETTLE` has it. Where a
-loop settles slowly, the batches of this long after a switch within an epoch, and after a
+loop settles slowly, the thread is the first incumbent where it may help (`_thread_may_help`):
+there an epoch strays by about 10% in either mode, so a probe of one epoch keeps whichever mode
+came first unless the other wins by more, and the thread loses by 0% to 10% where it loses
+(numpy loops of 20 and 200 us) and wins by 15% to 30% where it wins (Python loops), on the
+2-core VM with 2 workers. The batches of this long after a switch within an epoch, and after a
 loader's first 4, are not measured; its windows end with the epoch (`SLOW_WINDOW_S`); a probe
 is measured whole, with no look after `PEEK` batches, and an epoch's end does not put it off;
 and a change of the loop's pace brings no probe at once (its pace drifts by more than `CHANGED`
@@ -334,8 +338,11 @@ class Chooser:
             return self._probe(period, ending)
         if memory.threaded is None and memory.settle_s:
             # The epoch's first window, in a loop that settles slowly: it sizes the windows,
-            # and the loop settles from the epoch's start before the figure is taken.
-            memory.threaded = self.threaded
+            # and the first incumbent settles before its figure is taken: the thread where it
+            # may help, the loop alone to be probed against it (see `SLOW_SETTLE_S`).
+            memory.threaded = _thread_may_help(period, means)
+            if memory.threaded:
+                return self._switch()
             return self._settle(switched=True)
         mode = memory.threaded = self.threaded
         smooth = memory.smooth
