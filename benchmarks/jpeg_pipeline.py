@@ -167,13 +167,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    command_line = parser()
+    args = command_line.parse_args(argv)
     images, batch_size = (8, 4) if args.quick else (args.images, args.batch_size)
     threads, workers = ((1,), (0, 1)) if args.quick else (THREADS, WORKERS)
     threads, workers = args.threads or threads, args.workers or workers
     for name, values, low in (("--threads", threads, 1), ("--workers", workers, 0)):
         if min(values) < low:
-            parser().error(f"{name} must be >= {low}, got {min(values)}")
+            command_line.error(f"{name} must be >= {low}, got {min(values)}")
     meta = {
         **machine_meta(),
         "rounds": args.rounds,

@@ -27,10 +27,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=13)
     parser.add_argument("--channels", type=int, nargs="+", default=[64, 256])
     args = parser.parse_args()
+    shape = {"batches": 24, "batch_size": 64, "num_workers": 4}  # the bench's
     for channels in args.channels:
-        steps = measure_step(channels=channels, rounds=args.rounds, variants=VARIANTS)
+        steps = measure_step(channels=channels, rounds=args.rounds, variants=VARIANTS, **shape)
         rounds = {s.arm: s.rounds_s for s in steps}
-        print(f"== channels={channels}, 24 batches of 64, 4 workers, {args.rounds} rounds")
+        print(
+            f"== channels={channels}, {shape['batches']} batches of {shape['batch_size']}, "
+            f"{shape['num_workers']} workers, {args.rounds} rounds"
+        )
         print(f"{'arm':>14} {'epoch ms':>9}  {'/ apex-style, paired':>22}  {'/ data-on-gpu':>13}")
         for s in steps:
             vs_apex = [a / b for a, b in zip(s.rounds_s, rounds["apex-style"], strict=True)]
