@@ -133,10 +133,11 @@ class ThreadStage(Iterator[T], Generic[T]):
     that is plainly slower after its first 4 measured items ends there. It looks again when the
     consumer's pace changes by more than 25%, and less and less often while the answer holds,
     at most every 256 windows. It starts without the thread: the first 4 items after the first
-    time the step and the source alone, and the thread is tried only if both take at least
-    10 us, as less is not worth a hand-off. A loader's next epoch goes on from where the last
-    one's choice stood; with a ``limit``, a window ends with the epoch at the latest, so that
-    epochs shorter than a probe still decide. Only one of the two ever calls the source at a time.
+    warm the loop up, the window after them times the step and the source alone, and the
+    thread is tried only if both take at least 10 us, as less is not worth a hand-off. A
+    loader's next epoch goes on from where the last one's choice stood; with a ``limit``, a
+    window ends with the epoch at the latest, so that epochs shorter than a probe still
+    decide. Only one of the two ever calls the source at a time.
     A `DataLoaderX` (or `Prefetcher`) whose workers take every CPU tells the stage that a switch
     takes 0.5 s to show in the consumer's pace: there the chooser's windows end with the epoch
     (30 s at most), a switch within one is measured 0.5 s after it, and a change of pace brings
