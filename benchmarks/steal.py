@@ -17,9 +17,14 @@ interleaved in paired rounds (`prefetchx.bench.paired.round_order`):
 Each arm's figure is the median over rounds (the first left out) of its throughput over
 plain's in the same round.
 
+``--noise N`` runs N other processes beside the rounds, each burning a CPU in bursts of 10 to
+60 ms, 50 to 400 ms apart (seeded): a machine that other work slows at random moments. There
+the thread is descheduled at times with nothing queued, the loop takes the call, and the thread,
+finding the source taken, backs off for 2 to 64 batches.
+
 Usage:
     python benchmarks/steal.py [--cell python,200,20] [--workers 2] [--rounds 100]
-        [--epoch-ms 250] [--quick] [--out STEM]
+        [--epoch-ms 250] [--noise N] [--quick] [--out STEM]
 
 ``--out benchmarks/results/steal-cpu-2core`` writes ``steal-cpu-2core.txt`` (what it prints)
 and ``steal-cpu-2core.json`` (every epoch's time, the machine, the versions and the commit).
@@ -30,9 +35,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import random
 import statistics
 import sys
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +55,35 @@ from prefetchx.bench.synthetic import Work, WorkDataset, machine_meta, release, 
 
 MAX_PREFETCH = 2
 ARMS = ("plain", "steal", "no steal", "recipe")
+BURST_S = (0.01, 0.06)
+"""How long each burst of ``--noise`` burns a CPU, at least and at most."""
+GAP_S = (0.05, 0.4)
+"""How long ``--noise`` sleeps between two bursts, at least and at most."""
+
+
+def _burn(seed: int, stop: Any) -> None:
+    """Burn a CPU in bursts until ``stop`` is set (a `multiprocessing.Event`)."""
+    rng = random.Random(seed)
+    while not stop.is_set():
+        end = time.perf_counter() + rng.uniform(*BURST_S)
+        while time.perf_counter() < end:
+            pass
+        time.sleep(rng.uniform(*GAP_S))
+
+
+@contextmanager
+def noise(processes: int) -> Iterator[None]:
+    """``processes`` other processes burning CPUs in bursts while the block runs."""
+    stop = multiprocessing.Event()
+    burners = [multiprocessing.Process(target=_burn, args=(n, stop)) for n in range(processes)]
+    for burner in burners:
+        burner.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for burner in burners:
+            burner.join()
 
 
 def run(cell: grid.Cell, rounds: int) -> dict[str, list[float]]:
@@ -90,7 +128,8 @@ def render(meta: dict[str, Any], cell: grid.Cell, got: dict[str, float]) -> str:
         meta_line(meta),
         "",
         f"{cell.label}, {cell.batches} batches an epoch; {meta['rounds']} paired rounds, "
-        "figures over the rounds after the first",
+        "figures over the rounds after the first"
+        + (f"; {meta['noise']} processes burning CPUs in bursts beside" if meta["noise"] else ""),
         "",
         f"{'arm':<9} {'vs plain':>9}",
         *(f"{arm:<9} {value:>8.3f}x" for arm, value in got.items()),
@@ -121,6 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=integer_at_least(0), default=2, metavar="N")
     parser.add_argument("--rounds", type=integer_at_least(2), default=100, metavar="N")
     parser.add_argument("--epoch-ms", type=float, default=250.0, metavar="MS")
+    parser.add_argument(
+        "--noise",
+        type=integer_at_least(0),
+        default=0,
+        metavar="N",
+        help="other processes burning CPUs in bursts beside the rounds (default 0)",
+    )
     parser.add_argument("--quick", action="store_true", help="3 rounds of short epochs (tests)")
     parser.add_argument("--out", metavar="STEM", help="write STEM.txt and STEM.json")
     args = parser.parse_args(argv)
@@ -131,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     one = grid.Cell(kind, args.workers, data_us / 1e3, step_us / 1e3)
     cell = kept_alone.sized(one, epoch_ms)
     meta = {**machine_meta(), "rounds": rounds, "epoch_ms": epoch_ms, "quick": args.quick}
-    seconds = run(cell, rounds)
+    meta["noise"] = args.noise
+    with noise(args.noise):
+        seconds = run(cell, rounds)
     got = figures(seconds)
     text = render(meta, cell, got)
     print(text, end="")

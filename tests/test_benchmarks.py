@@ -765,6 +765,19 @@ def test_the_quick_steal_run_times_the_thread_with_and_without_taking_its_calls(
     assert text.splitlines()[0].startswith("prefetchx ")
 
 
+def test_a_steal_run_with_noise_burns_cpus_beside_its_rounds_and_stops_them(
+    tmp_path: Path,
+) -> None:
+    stem = tmp_path / "steal"
+    args = ["--quick", "--cell", "sleep,200,200", "--workers", "0", "--noise", "1"]
+    # A burner left running would keep the program from exiting: `_run` would time out.
+    done = _run("steal", *args, "--out", str(stem))
+    assert done.returncode == 0, done.stderr
+    record = json.loads(Path(f"{stem}.json").read_text())
+    assert record["meta"]["noise"] == 1
+    assert "1 processes burning CPUs in bursts beside" in Path(f"{stem}.txt").read_text()
+
+
 @pytest.mark.parametrize("program", ["steal", "kept_alone"])
 def test_any_number_of_workers_sizes_a_cell(program: str, tmp_path: Path) -> None:
     # The grid sizes epochs from its cost of a batch with 0 and with 2 workers only: 3 workers
