@@ -340,19 +340,19 @@ class Chooser:
             return self._run(self.threaded, self._span())
         if memory.probing:
             return self._probe(period, ending)
-        if memory.threaded is None and memory.settle_s:
-            # The epoch's first window, in a loop that settles slowly: it sizes the windows,
-            # and the first incumbent settles before its figure is taken: the thread where it
-            # may help, the loop alone to be probed against it (see `SLOW_SETTLE_S`).
+        if memory.threaded is None:  # the loader's first batches, which run cold (`FIRST`)
+            if not memory.settle_s:
+                # A figure from them would hand the first probe a lead it did not earn: the
+                # loop alone's next window sets it.
+                memory.threaded = False
+                return self._run(False, self._span())
+            # Where the loop settles slowly they size the windows, and the first incumbent
+            # settles before its figure is taken: the thread where it may help, the loop alone
+            # to be probed against it (see `SLOW_SETTLE_S`).
             memory.threaded = _thread_may_help(period, means)
             if memory.threaded:
                 return self._switch()
             return self._settle(switched=True)
-        if memory.threaded is None:
-            # The loader's first batches run cold (see `FIRST`): a figure from them would hand
-            # the first probe a lead it did not earn. The loop alone's next window sets it.
-            memory.threaded = False
-            return self._run(False, self._span())
         mode = memory.threaded = self.threaded
         smooth = memory.smooth
         slowed, self._slowed = self._slowed, False
