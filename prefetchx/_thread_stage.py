@@ -137,7 +137,10 @@ class ThreadStage(Iterator[T], Generic[T]):
     thread is tried only if both take at least 10 us, as less is not worth a hand-off. A
     loader's next epoch goes on from where the last one's choice stood; with a ``limit``, a
     window ends with the epoch at the latest, so that epochs shorter than a probe still
-    decide. Only one of the two ever calls the source at a time.
+    decide. The thread's window that ends an epoch hands over what the thread made ahead,
+    with nothing more to make: a look that would choose the thread on it is made again in
+    the next epoch, and the thread's own such window stays out of its figure. Only one of the
+    two ever calls the source at a time.
     A `DataLoaderX` (or `Prefetcher`) whose workers take every CPU tells the stage that a switch
     takes 0.5 s to show in the consumer's pace: there the chooser's windows end with the epoch
     (30 s at most), a switch within one is measured 0.5 s after it, and a change of pace brings
