@@ -324,8 +324,9 @@ class Chooser:
                 and mean wait inside ``next()``; called only when they are needed.
             ending: The window was cut short by the epoch's end: a probe that has measured
                 `PEEK` batches or more is decided on them, or an epoch shorter than a probe
-                would start it again and again and never decide; one that has measured fewer
-                is put off, once (see `_put_off`).
+                would start it again and again and never decide (but a probe of the thread
+                that would win on them is measured again in the next epoch, once: see
+                `_drained`); one that has measured fewer is put off, once (see `_put_off`).
         """
         memory = self.memory
         memory.stayed += self._length
