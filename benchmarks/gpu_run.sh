@@ -21,6 +21,10 @@
 #                         the CUDA section alone; the CPU part takes under a minute): copy
 #                         bandwidth and the end-to-end step. Also OUTDIR/bench-<gpu>.json.
 #                                                                                (#15 runs 3-4)
+#   bench-quick           `python -m prefetchx bench --quick`: the same CUDA section whole, after a
+#                         CPU part of about 15 s and no JPEG rows. For a session short of time:
+#                         at 46e88dd the whole bench outgrew 110 s in its JPEG rows, before its
+#                         CUDA section began.                                    (#15 runs 3-4)
 #   scripts               benchmarks/gpu/memory.py, step_options.py and threads.py, one after
 #                         another into the one file: memory over 20 epochs and after a break,
 #                         the compute-bound step and the options, the main thread's torch
@@ -29,7 +33,7 @@
 #                         paired rounds, each arm against apex-style in the same round, and
 #                         DataLoaderX without its thread and with device_prefetch=2. The
 #                         bench's 5 unpaired medians cannot tell a 1% gap from noise; this
-#                         can.                                                   (#15 run 4)
+#                         can. Also max_prefetch=0 with pin_memory=True.         (#15 run 4)
 #   suite                 Every other test. Not in the plan: outside `cuda`-marked tests the
 #                         machine looks like one without an accelerator (conftest.py), so these
 #                         re-test the CPU path that CI runs and that was recorded with this
@@ -42,27 +46,29 @@
 #
 # On the device tool's machine (torch 2.11, Python 3.12, no network) only prefetch_generator is
 # missing. Build its wheel here into .whl/ (ignored by git, so it must be carried), and name the
-# commit: the machine's copy of .git may name an older one. On the H200 at 1abc908 the two test
-# steps took 125 s, the bench 92 s, scripts 79 s and paired about 100 s, so two calls fit a
-# session's 15 minutes with the machine's start; start the second within the 30 s the machine
-# stays warm. (benchmarks/jpeg_pipeline.py, a CPU benchmark, did 4 of its 6 configurations in
+# commit: the machine's copy of .git may name an older one (the bench believes PREFETCHX_COMMIT
+# first). On the H200 at 46e88dd paired took about 150 s, the two test steps 180 s and scripts
+# 95 s; the whole bench needs over 110 s on that host (at 1abc908 it took 92 s), while its CUDA
+# section alone took about 45 s, so bench-quick about 60 s. One call of paired, both test
+# steps, bench-quick and scripts (about 500 s) fits a session's 15 minutes with the machine's
+# start; a second call of two minutes still fits. (benchmarks/jpeg_pipeline.py, a CPU benchmark, did 4 of its 6 configurations in
 # 190 s on that host with --images 256: give it --threads or --workers to fit.)
 #
 #     pip wheel --no-deps prefetch_generator==1.0.3 -w .whl
-#     run(command="export PREFETCHX_COMMIT=<sha>; STEP_LIMIT=140 benchmarks/gpu_run.sh cuda-tests $OUT; STEP_LIMIT=100 benchmarks/gpu_run.sh cuda-tests-sanitized $OUT; STEP_LIMIT=150 benchmarks/gpu_run.sh bench $OUT", carry=[".whl"], timeout_s=420)
-#     run(command="export PREFETCHX_COMMIT=<sha>; STEP_LIMIT=130 benchmarks/gpu_run.sh scripts $OUT; STEP_LIMIT=140 benchmarks/gpu_run.sh paired $OUT", carry=[".whl"], timeout_s=300)
+#     run(command="export PREFETCHX_COMMIT=<sha>; STEP_LIMIT=150 benchmarks/gpu_run.sh paired $OUT; STEP_LIMIT=110 benchmarks/gpu_run.sh cuda-tests $OUT; STEP_LIMIT=80 benchmarks/gpu_run.sh cuda-tests-sanitized $OUT; STEP_LIMIT=110 benchmarks/gpu_run.sh bench-quick $OUT; STEP_LIMIT=95 benchmarks/gpu_run.sh scripts $OUT", carry=[".whl"], timeout_s=570)
 set -uo pipefail
 
 usage() {
     echo "usage: benchmarks/gpu_run.sh STEP OUTDIR" >&2
-    echo "  STEP: cuda-tests, cuda-tests-sanitized, bench, scripts, paired or suite (see the header)" >&2
+    echo "  STEP: cuda-tests, cuda-tests-sanitized, bench, bench-quick, scripts, paired or suite" >&2
+    echo "  (see the header)" >&2
     exit 2
 }
 
 [ $# -eq 2 ] || usage
 step=$1
 case "$step" in
-cuda-tests | cuda-tests-sanitized | bench | scripts | paired | suite) ;;
+cuda-tests | cuda-tests-sanitized | bench | bench-quick | scripts | paired | suite) ;;
 *) usage ;;
 esac
 out=$2
@@ -135,6 +141,9 @@ cuda-tests-sanitized)
     ;;
 bench)
     logged capped "$python" -m prefetchx bench --json "$out/bench-$slug.json"
+    ;;
+bench-quick)
+    logged capped "$python" -m prefetchx bench --quick --json "$out/bench-quick-$slug.json"
     ;;
 scripts)
     for script in memory step_options threads; do

@@ -12,7 +12,7 @@ import pytest
 from tests.helpers import REPO, by_path, repo_env, run_python
 
 SCRIPT = Path(REPO) / "benchmarks" / "gpu_run.sh"
-STEPS = ["cuda-tests", "cuda-tests-sanitized", "bench", "scripts", "paired", "suite"]
+STEPS = ["cuda-tests", "cuda-tests-sanitized", "bench", "bench-quick", "scripts", "paired", "suite"]
 
 
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -34,7 +34,9 @@ def test_a_bad_call_prints_the_usage_and_exits_2(args: tuple[str, ...], tmp_path
     done = _run(*(str(tmp_path / a) if a == "out" else a for a in args), cwd=tmp_path)
     assert done.returncode == 2
     assert "usage: benchmarks/gpu_run.sh STEP OUTDIR" in done.stderr
-    assert "cuda-tests, cuda-tests-sanitized, bench, scripts, paired or suite" in done.stderr
+    assert "cuda-tests, cuda-tests-sanitized, bench, bench-quick, scripts, paired or suite" in (
+        done.stderr
+    )
     assert done.stdout == ""
 
 

@@ -396,10 +396,9 @@ def measure(
     return results
 
 
-def machine_meta() -> dict[str, Any]:
-    """Where and with what a benchmark ran: versions, machine, CPUs, GPU, git commit."""
+def _git_commit() -> str:
     try:
-        commit = subprocess.run(
+        return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
             cwd=os.path.dirname(os.path.abspath(__file__)),
             check=True,
@@ -407,8 +406,14 @@ def machine_meta() -> dict[str, Any]:
             text=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        # An installed copy or a copied tree, not a checkout: whoever copied it may say.
-        commit = os.environ.get("PREFETCHX_COMMIT", "unknown")
+        return "unknown"  # an installed copy, not a checkout
+
+
+def machine_meta() -> dict[str, Any]:
+    """Where and with what a benchmark ran: versions, machine, CPUs, GPU, git commit."""
+    # Whoever copied the tree may say which commit it is, and is believed first: a copy's .git
+    # can name an older commit than its files (the device tool's did).
+    commit = os.environ.get("PREFETCHX_COMMIT") or _git_commit()
     meta: dict[str, Any] = {
         "prefetchx": __version__,
         "commit": commit,
