@@ -165,7 +165,7 @@ def _cuda() -> dict[str, Any]:
     print(
         f"\nGPU stall meter: {m.cost_us:.1f} us per batch; with {m.delay_ms:.0f} ms of producer "
         f"delay per batch the epoch grew {m.epoch_growth_ms:.2f} ms per batch and the meter's "
-        f"idle time {m.idle_growth_ms:.2f} ms",
+        f"idle time {m.idle_growth_ms:.2f} ms (medians of {m.rounds} paired epochs)",
         flush=True,
     )
     return {"copy": copies, "blocking": asdict(b), "step": steps, "meter": asdict(m)}
