@@ -82,20 +82,28 @@ def legend(images: int, batch_size: int) -> str:
     )
 
 
+def of_recipe(result: JpegResult, arm: str = "prefetchx") -> float:
+    """``arm`` against the recipe in a configuration where the recipe wins: the median, over
+    the rounds, of the recipe's epoch over ``arm``'s in the same round (as `grid.py`'s
+    ``of_best``); without the epochs, the ratio of their medians over plain."""
+    epochs = result.epochs_s
+    if arm in epochs and "recipe" in epochs:
+        return statistics.median(
+            recipe / ours for recipe, ours in zip(epochs["recipe"], epochs[arm], strict=True)
+        )
+    return result.spread(arm).median / result.spread("recipe").median
+
+
 def summarize(results: list[JpegResult]) -> tuple[dict[str, Any], str]:
     """The figures issue #16's targets read, for the record and as the text's lines:
     DataLoaderX's worst configuration over plain, with plain against itself there; the lowest
     figure of plain against itself; and, where the recipe beats plain by more than `CLEAR`,
-    DataLoaderX over the best of plain and the recipe, and the second recipe alike (the
-    recipe against itself: picked where the recipe's median reads high, the best of the two
-    reads high, and an arm as fast as the recipe falls below it by this much at random)."""
+    DataLoaderX against the recipe (the best there), paired by round (`of_recipe`), and the
+    second recipe alike (the recipe against itself: an arm as fast as the recipe falls below
+    the line by this much at random)."""
     worst = min(results, key=lambda r: r.spread("prefetchx").median)
     noisiest = min(results, key=lambda r: r.spread("again").median)
-    winning = [
-        (r, r.spread("prefetchx").median / r.spread("recipe").median)
-        for r in results
-        if r.spread("recipe").median > 1 + CLEAR
-    ]
+    winning = [(r, of_recipe(r)) for r in results if r.spread("recipe").median > 1 + CLEAR]
     summary: dict[str, Any] = {
         "worst": {
             "configuration": worst.label,
@@ -122,9 +130,7 @@ def summarize(results: list[JpegResult]) -> tuple[dict[str, Any], str]:
             f"recipe ({lowest.label}; target >= 0.97)"
         )
         twins = [
-            (r, r.spread("recipe again").median / r.spread("recipe").median)
-            for r, _ in winning
-            if "recipe again" in r.ratios
+            (r, of_recipe(r, "recipe again")) for r, _ in winning if "recipe again" in r.ratios
         ]
         if twins:
             twin, twin_share = min(twins, key=lambda pair: pair[1])

@@ -272,6 +272,35 @@ def test_the_grid_reads_the_winning_cells_target_for_the_recipe_against_itself()
     assert "; the recipe against itself" not in grid.format_summary({**before, "no_work": None})
 
 
+def test_the_grid_holds_a_winning_cell_to_the_recipe_round_by_round() -> None:
+    # The two arms' medians over plain come from different rounds: here they read 1.10 and
+    # 1.25, 0.88 apart, while DataLoaderX matched the recipe's epoch in every round.
+    grid = _program("grid")
+    recipe_epochs = [0.80, 0.90, 0.70, 0.85, 0.75]
+    cell = _cell("level", 1.10, recipe=1.25, twin=1.25)
+    cell["epochs_s"] = {
+        "plain": [1.0] * 5,
+        "prefetchx": recipe_epochs,
+        "recipe": recipe_epochs,
+        "recipe again": [e * 1.01 for e in recipe_epochs],
+    }
+    assert grid.of_best(cell) == pytest.approx(1.0)
+    assert not grid.second_look_due(cell)
+    summary = grid.summarize([cell], _handoff())
+    assert summary["winning_worst"]["of_best"] == pytest.approx(1.0)
+    assert summary["winning_noise"]["of_best"] == pytest.approx(1 / 1.01)
+    # Read from its second look, with that look's rounds.
+    cell["second_look"] = {
+        "ratios": cell["ratios"],
+        "epochs_s": {**cell["epochs_s"], "prefetchx": [e * 1.1 for e in recipe_epochs]},
+    }
+    assert grid.summarize([cell], _handoff())["winning_worst"]["of_best"] == pytest.approx(1 / 1.1)
+    # A record without its epochs reads as the ratio of the medians.
+    del cell["epochs_s"], cell["second_look"]
+    assert grid.of_best(cell) == pytest.approx(1.10 / 1.25)
+    assert grid.second_look_due(cell)
+
+
 def test_the_quick_handoff_alone_measures_the_deeper_queues_too(tmp_path: Path) -> None:
     stem = tmp_path / "handoff"
     done = _run("grid", "--handoff-only", "--quick", "--out", str(stem))
@@ -363,6 +392,22 @@ def test_the_jpeg_summary_reads_the_noise_and_the_winning_configurations() -> No
     assert none["winning"] == 0
     assert none["winning_worst"] is None
     assert "winning configurations: none" in text
+
+
+def test_the_jpeg_summary_holds_a_winning_configuration_to_the_recipe_round_by_round() -> None:
+    jpeg = _program("jpeg_pipeline")
+    result = _jpeg_result(jpeg, 0, prefetchx=1.10, recipe=1.25, again=1.0)  # 0.88 apart
+    recipe_epochs = [0.80, 0.90, 0.70, 0.85, 0.75]
+    result.epochs_s.update(
+        {
+            "plain": [1.0] * 5,
+            "recipe": recipe_epochs,
+            "prefetchx": [e * 1.02 for e in recipe_epochs],
+        }
+    )
+    summary, text = jpeg.summarize([result])
+    assert summary["winning_worst"]["of_best"] == pytest.approx(1 / 1.02)
+    assert "DataLoaderX at 0.980 of the recipe" in " ".join(text.split())
 
 
 @pytest.mark.parametrize("program", ["grid", "jpeg_pipeline"])
