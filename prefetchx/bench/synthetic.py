@@ -208,8 +208,8 @@ ARM_NOTES = {
     "again": "a second plain DataLoader, made as the first: plain against itself, so how far its "
     "median strays from 1.00x is the measurement's noise, not a difference",
     "recipe again": "a second recipe, made as the first: where the recipe wins, how far this "
-    "one's median falls below the best of plain's and the recipe's is the noise of that "
-    "comparison (the best of two noisy medians reads high), not a difference",
+    "one falls below the first recipe, round by round, is the noise of holding an arm to the "
+    "recipe there, not a difference",
 }
 """What each arm is, as the outputs explain it."""
 
