@@ -530,10 +530,8 @@ SUMMARY_NOTES = (
     "winning cells: where the recipe beats plain by more than 2%, DataLoaderX against the best "
     "of plain and the recipe, which is the recipe there: the median over the rounds of the "
     "recipe's epoch over DataLoaderX's in the same round; the lowest (target >= 0.97); then the "
-    "same for the "
-    "arm 'recipe again', a second recipe (the recipe against itself): an arm as fast as the "
-    "recipe reads that low at random, since the cells are picked where the recipe's median "
-    "reads high",
+    "same for the arm 'recipe again', a second recipe (the recipe against itself): an arm as "
+    "fast as the recipe reads that low at random",
     f"second look: the cells where DataLoaderX read below {SECOND_LOOK_BELOW} at the first look "
     "(over plain, or in a winning cell over the best of plain and the recipe, where the second "
     "recipe reading as low counts too), within 1% of a target, measured again in fresh "
