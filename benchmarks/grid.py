@@ -409,9 +409,7 @@ def of_best(cell: dict[str, Any], arm: str = "prefetchx") -> float:
     and 0.997 paired. A cell recorded without its epochs is read from those medians."""
     epochs = cell.get("epochs_s")
     if epochs is not None and arm in epochs and "recipe" in epochs:
-        return statistics.median(
-            recipe / ours for recipe, ours in zip(epochs["recipe"], epochs[arm], strict=True)
-        )
+        return ratios(epochs, base="recipe")[arm].median
     return _spread(cell, arm).median / max(1.0, _spread(cell, "recipe").median)
 
 

@@ -29,7 +29,7 @@ from dataclasses import asdict
 from typing import Any
 
 from prefetchx.bench.jpeg import JpegResult, jpeg_files, measure_jpeg
-from prefetchx.bench.paired import CLEAR
+from prefetchx.bench.paired import CLEAR, ratios
 from prefetchx.bench.record import add_options, meta_line, report
 from prefetchx.bench.synthetic import (
     VS_PLAIN,
@@ -88,9 +88,7 @@ def of_recipe(result: JpegResult, arm: str = "prefetchx") -> float:
     ``of_best``); without the epochs, the ratio of their medians over plain."""
     epochs = result.epochs_s
     if arm in epochs and "recipe" in epochs:
-        return statistics.median(
-            recipe / ours for recipe, ours in zip(epochs["recipe"], epochs[arm], strict=True)
-        )
+        return ratios(epochs, base="recipe")[arm].median
     return result.spread(arm).median / result.spread("recipe").median
 
 
