@@ -18,13 +18,14 @@
 #   cuda-tests-sanitized  The same under TORCH_CUDA_SANITIZER=1: all pass, the planted
 #                         controls fail as designed.                             (#15 run 1)
 #   bench                 `python -m prefetchx bench`, whole (it has --cpu-only but no flag for
-#                         the CUDA section alone; the CPU part takes under a minute): copy
-#                         bandwidth and the end-to-end step. Also OUTDIR/bench-<gpu>.json.
+#                         the CUDA section alone; on the H200's host the CPU part took over
+#                         110 s at 46e88dd): copy bandwidth and the end-to-end step. Also
+#                         OUTDIR/bench-<gpu>.json.
 #                                                                                (#15 runs 3-4)
-#   bench-quick           `python -m prefetchx bench --quick`: the same CUDA section whole, after a
-#                         CPU part of about 15 s and no JPEG rows. For a session short of time:
-#                         at 46e88dd the whole bench outgrew 110 s in its JPEG rows, before its
-#                         CUDA section began.                                    (#15 runs 3-4)
+#   bench-quick           `python -m prefetchx bench --quick`: the same CUDA section whole,
+#                         after a CPU part of about 15 s and no JPEG rows. For a session short
+#                         of time: at 46e88dd the whole bench outgrew 110 s in its JPEG rows,
+#                         before its CUDA section began.                         (#15 runs 3-4)
 #   scripts               benchmarks/gpu/memory.py, step_options.py and threads.py, one after
 #                         another into the one file: memory over 20 epochs and after a break,
 #                         the compute-bound step and the options, the main thread's torch
@@ -51,8 +52,9 @@
 # 95 s; the whole bench needs over 110 s on that host (at 1abc908 it took 92 s), while its CUDA
 # section alone took about 45 s, so bench-quick about 60 s. One call of paired, both test
 # steps, bench-quick and scripts (about 500 s) fits a session's 15 minutes with the machine's
-# start; a second call of two minutes still fits. (benchmarks/jpeg_pipeline.py, a CPU benchmark, did 4 of its 6 configurations in
-# 190 s on that host with --images 256: give it --threads or --workers to fit.)
+# start; a second call of two minutes still fits. (benchmarks/jpeg_pipeline.py, a CPU
+# benchmark, did 4 of its 6 configurations in 190 s on that host with --images 256: give it
+# --threads or --workers to fit.)
 #
 #     pip wheel --no-deps prefetch_generator==1.0.3 -w .whl
 #     run(command="export PREFETCHX_COMMIT=<sha>; STEP_LIMIT=150 benchmarks/gpu_run.sh paired $OUT; STEP_LIMIT=110 benchmarks/gpu_run.sh cuda-tests $OUT; STEP_LIMIT=80 benchmarks/gpu_run.sh cuda-tests-sanitized $OUT; STEP_LIMIT=110 benchmarks/gpu_run.sh bench-quick $OUT; STEP_LIMIT=95 benchmarks/gpu_run.sh scripts $OUT", carry=[".whl"], timeout_s=570)
