@@ -64,11 +64,12 @@ def test_the_first_window_is_inline_and_short() -> None:
 
 def test_a_faster_thread_takes_over_after_its_probe() -> None:
     loop = Loop(Chooser(Memory()), inline=2 * MS, threaded=1 * MS)
-    loop.run(5)
-    # inline: the first batches, then a window for the figure; then the probe: a settling
-    # window and a measured one, looked at after its first batches; and the thread stays.
-    assert loop.modes == [False, False, True, True, True]
-    assert loop.lengths == [FIRST, WINDOW, SETTLE, PEEK, WINDOW - PEEK]
+    loop.run(6)
+    # inline: the first batches, then a window for the figure and one for how its windows
+    # stray; then the probe: a settling window and a measured one, looked at after its first
+    # batches; and the thread stays.
+    assert loop.modes == [False, False, False, True, True, True]
+    assert loop.lengths == [FIRST, WINDOW, WINDOW, SETTLE, PEEK, WINDOW - PEEK]
     assert loop.threaded
     assert loop.chooser.memory.threaded is True
     assert loop.chooser.memory.backoff == CLEAR_GROWTH  # it won clearly
@@ -84,11 +85,34 @@ def test_the_loaders_first_batches_set_no_figure() -> None:
     chooser = Chooser(Memory())
     chooser.start()
     assert chooser.window(1.15 * MS, _means()) == (False, WINDOW)  # the first batches, cold
-    assert chooser.window(1.0 * MS, _means()) == (True, SETTLE)  # the figure, then the probe
+    assert chooser.window(1.0 * MS, _means()) == (False, WINDOW)  # the figure
     assert chooser.memory.smooth == 1.0 * MS
+    assert chooser.window(1.0 * MS, _means()) == (True, SETTLE)  # its stray, then the probe
     chooser.window(2 * MS, _means())  # the thread fills its queue
     assert chooser.window(1.04 * MS, _means()) == (False, SETTLE_INLINE)  # lost: back
     assert chooser.memory.threaded is False
+
+
+def test_a_first_figure_from_a_lucky_window_does_not_lose_the_thread_its_first_probe() -> None:
+    # Traced in the grid's numpy loop of 200 us data and random steps of 20 us or 2 ms, without
+    # workers: a new loader's first figure read 0.90 ms a batch, its later windows 1.1 to 1.9.
+    # Probed right after that figure, with no stray known, the thread lost clearly on its first
+    # 4 batches, was probed ever more rarely, and the loop alone was kept: 0.85 of the recipe.
+    # The window after the figure tells how far the windows stray; the probe then runs its
+    # whole window, and its loss is not taken for a clear one.
+    memory = Memory()
+    chooser = Chooser(memory)
+    chooser.start()
+    assert chooser.window(1.2 * MS, _means()) == (False, WINDOW)  # the loader's first batches
+    assert chooser.window(0.9 * MS, _means()) == (False, WINDOW)  # the figure: no probe yet
+    assert chooser.window(1.1 * MS, _means()) == (True, SETTLE)  # its stray told: the probe
+    assert memory.spread == pytest.approx(STEP_TO_STRAY * 0.2 * MS)
+    chooser.window(3 * MS, _means())  # the thread fills its queue
+    # 1.5 ms over 4 batches may be the steps' luck as much as the 0.9 was: measured on.
+    assert chooser.window(1.5 * MS, _means()) == (True, WINDOW - PEEK)
+    # (4 * 1.5 + 12 * 1.0) / 16 = 1.125 ms against 0.95: lost, but not clearly.
+    assert chooser.window(1.0 * MS, _means()) == (False, SETTLE_INLINE)
+    assert 0 < memory.lost_by < CHANGED
 
 
 def test_a_slower_thread_is_sent_back_and_tried_less_and_less_often() -> None:
@@ -109,7 +133,7 @@ def test_a_slower_thread_is_sent_back_and_tried_less_and_less_often() -> None:
 def test_a_close_call_keeps_the_incumbent_and_probes_again_sooner() -> None:
     memory = Memory()
     loop = Loop(Chooser(memory), inline=1 * MS, threaded=1 * MS * (1 - MARGIN / 2))
-    loop.run(5)
+    loop.run(6)
     assert not loop.threaded  # within the margin: the incumbent stays
     assert memory.backoff == 2  # not clear: doubled, not quadrupled
 
@@ -117,6 +141,7 @@ def test_a_close_call_keeps_the_incumbent_and_probes_again_sooner() -> None:
 def test_a_settling_window_is_not_measured() -> None:
     chooser = Chooser(Memory())
     chooser.start()
+    assert chooser.window(2 * MS, _means()) == (False, WINDOW)
     assert chooser.window(2 * MS, _means()) == (False, WINDOW)
     assert chooser.window(2 * MS, _means()) == (True, SETTLE)
     # The settling window is wildly slow (the queue filling): ignored.
@@ -294,7 +319,9 @@ def test_a_probe_that_takes_over_keeps_the_incumbents_stray_as_a_share() -> None
 
 def test_the_next_epoch_starts_with_the_winner() -> None:
     memory = Memory()
-    Loop(Chooser(memory), inline=2 * MS, threaded=1 * MS).run(11)
+    loop = Loop(Chooser(memory), inline=2 * MS, threaded=1 * MS)
+    loop.run(7)
+    assert loop.modes[-1]  # the thread took over at its probe, and ran a window
     assert Chooser(memory).start() == (True, SETTLE)
 
 
@@ -303,6 +330,7 @@ def test_noisy_windows_neither_look_like_a_change_nor_win_a_probe_by_luck() -> N
     # of 20 us or 2 ms are; the thread is 15% faster on average. Over 200 loops of 600 windows
     # (seeded), the thread runs 90% of the windows or more, and the loop loses under 1.5%. (The
     # median of 40 loops strays by about 0.005 with the seeds: 0.948 to 0.965 in blocks of 40.)
+    # Counted after the loop alone's first three windows, which measure it before any probe.
     shares = []
     for seed in range(200):
         rng = random.Random(seed)
@@ -313,7 +341,7 @@ def test_noisy_windows_neither_look_like_a_change_nor_win_a_probe_by_luck() -> N
             modes.append(threaded)
             period = (0.85 if threaded else 1.0) * MS * rng.uniform(0.75, 1.25)
             threaded, _ = chooser.window(period, _means())
-        shares.append(sum(modes) / len(modes))
+        shares.append(sum(modes[3:]) / len(modes[3:]))
     assert sum(shares) / len(shares) > 0.9
     assert sorted(shares)[len(shares) // 2] > 0.95
 
@@ -334,7 +362,7 @@ def test_probes_go_on_across_epochs_at_the_pace_reached() -> None:
 def test_an_epoch_that_ends_in_a_probe_leaves_it_to_the_next() -> None:
     memory = Memory()
     first = Loop(Chooser(memory), inline=2 * MS, threaded=1 * MS)
-    first.run(2)  # the first windows, inline; the thread's probe starts, and the epoch ends
+    first.run(3)  # the first windows, inline; the thread's probe starts, and the epoch ends
     assert first.threaded
     assert memory.probing
     second = Loop(Chooser(memory), inline=2 * MS, threaded=1 * MS)
@@ -402,6 +430,7 @@ def _probe_of_the_thread(memory: Memory, inline: float = 1 * MS) -> Chooser:
     chooser.start()
     if memory.threaded is None:
         assert chooser.window(inline, _means()) == (False, WINDOW)  # the loader's first batches
+        assert chooser.window(inline, _means()) == (False, WINDOW)  # the figure
     assert chooser.window(inline, _means()) == (True, SETTLE)
     assert chooser.window(5 * inline, _means()) == (True, PEEK)  # the settling window
     return chooser
@@ -737,6 +766,7 @@ def test_a_probe_cut_short_by_the_epochs_end_is_put_off_once_then_left_to_the_ne
     chooser = Chooser(memory)
     chooser.start()
     chooser.window(1 * MS, _means())  # the loader's first batches
+    chooser.window(1 * MS, _means())  # the figure
     assert chooser.window(1 * MS, _means()) == (True, SETTLE)  # the probe begins
     if settling:
         chooser.cut(2)  # the epoch ends in the probe's settling window
@@ -948,9 +978,10 @@ def test_where_a_loop_settles_slowly_the_thread_is_the_first_incumbent_where_it_
     assert loop.modes == [False, True, True, False, False]
     assert slower.threaded is False
     fast = Loop(Chooser(Memory()), inline=1 * MS, threaded=0.5 * MS)
-    fast.run(3)
-    # A loop that settles at once: the probe comes after the loop alone's first figure.
-    assert fast.modes == [False, False, True]
+    fast.run(4)
+    # A loop that settles at once: the probe comes after the loop alone's first figure and the
+    # window that tells how its windows stray.
+    assert fast.modes == [False, False, False, True]
 
 
 def test_where_a_loop_settles_slowly_and_a_thread_cannot_help_the_loop_alone_settles() -> None:

@@ -547,10 +547,10 @@ def test_epochs_shorter_than_a_window_still_decide(slower: float, threaded: bool
             time.sleep(0.002)
         tried.append(_made_by_thread(source.threads) > 0)
     assert memory.threaded is threaded
-    # The first epoch sets the loop alone's figure after its first batches. The probe due as it
-    # ends is put off to after the next epoch's first window, which ends that epoch too: the
-    # thread first runs in the third.
-    assert tried.index(True) == 2
+    # The first epoch sets the loop alone's figure after its first batches; the second tells
+    # how its windows stray. The probe due as it ends is put off to after the next epoch's
+    # first window, which ends that epoch too: the thread first runs in the fourth.
+    assert tried.index(True) == 3
     if not threaded:
         # 8 ms a batch with the thread against 4 ms without: a probe of 8 batches costs 8
         # batches' time, so the next waits about 50 windows (half of it allows for timing).
