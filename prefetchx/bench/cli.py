@@ -22,6 +22,7 @@ from prefetchx import __version__
 from prefetchx.bench.paired import Spread
 from prefetchx.bench.record import depth
 from prefetchx.bench.synthetic import (
+    WARM_BATCHES,
     ArmResult,
     Case,
     as_rows,
@@ -69,7 +70,7 @@ def _meta(args: argparse.Namespace) -> dict[str, Any]:
 def _synthetic(args: argparse.Namespace) -> list[ArmResult]:
     print(
         "\n== Synthetic loop: per-batch data and step cost, one kind of work; arms in paired "
-        "rounds =="
+        f"rounds, each arm after {WARM_BATCHES} untimed batches or more in whole epochs =="
     )
     results: list[ArmResult] = []
     for case in QUICK_GRID if args.quick else DEFAULT_GRID:

@@ -128,6 +128,13 @@ class RecipeLoader(DataLoader[Any]):
         return BackgroundGenerator(super().__iter__(), max_prefetch=self.max_prefetch)  # type: ignore[no-any-return]
 
 
+WARM_BATCHES = 128
+"""Batches each arm runs untimed before the rounds, in whole epochs, one at least. A fresh
+DataLoaderX decides between its thread and the loop alone over its first 36 batches and a probe
+of about 20 more (docs/design.md), which a training run pays once: the rounds time the loop
+after that. In the loops of 30 to 50 batches, timed from the first epoch, the first two rounds
+were the choice being made (numpy 5/5 ms: 1.04x and 1.38x, then 1.9x)."""
+
 _END = object()
 
 
@@ -366,6 +373,9 @@ def measure(
         if progress is not None:
             progress(f"  {case.label}: round {done}/{case.rounds}")
 
+    for name in case.arms:
+        for _ in range(max(1, -(-WARM_BATCHES // max(1, case.batches)))):
+            run_epoch(loaders[name], step)
     times = run_rounds({name: arm(name) for name in case.arms}, case.rounds, report)
     speedups = ratios(times)
     no_work = case.data_ms <= 0 and case.step_ms <= 0
