@@ -15,6 +15,7 @@ there nothing runs beside the work, so its times hold no waits for the GIL or fo
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import queue
@@ -374,7 +375,7 @@ def measure(
             progress(f"  {case.label}: round {done}/{case.rounds}")
 
     for name in case.arms:
-        for _ in range(max(1, -(-WARM_BATCHES // max(1, case.batches)))):
+        for _ in range(max(1, math.ceil(WARM_BATCHES / max(1, case.batches)))):
             run_epoch(loaders[name], step)
     times = run_rounds({name: arm(name) for name in case.arms}, case.rounds, report)
     speedups = ratios(times)
