@@ -372,7 +372,7 @@ class Chooser:
             return self._settle(switched=True)
         mode = memory.threaded = self.threaded
         smooth = memory.smooth
-        one = False  # whether this window set the incumbent's figure, alone and first
+        unsure = False  # the figure is from one window, its stray not yet told (below)
         slowed, self._slowed = self._slowed, False
         if self._grown:  # the incumbent's first window since a lost probe: what it paid too
             self._pace(max(0.0, period / smooth - 1) * self._length + self._returned)
@@ -389,7 +389,17 @@ class Chooser:
                 # over its whole epoch, lost to it and was not probed again for 67 epochs.
                 return self._run(mode, self._span())
             memory.smooth = memory.reference = memory.last = period
-            one = True
+            # A figure from one window, where none has told how far the loop's windows stray (a
+            # loader's first), tells the loop's pace alone: no probe until the next window has told
+            # that too. Weighed against one window of uneven steps, with no noise allowed for, a
+            # probe takes that window's luck for a difference. In the grid's numpy loop of random
+            # 20 us or 2 ms steps without workers, a new loader's first figure read 0.90 ms a batch
+            # where its windows ran at 1.1 to 1.9; the thread lost its first probe clearly on 4
+            # batches, was probed ever more rarely, and the loop alone was kept: 0.85 of the recipe,
+            # 0.96 with this wait (``benchmarks/results/chooser-variants/``
+            # ``stray-before-first-probe-0d9292d.txt``). Not where the loop settles slowly: a window
+            # is an epoch there.
+            unsure = not memory.spread and not memory.settle_s
         elif self._far_off(period):
             held, memory.held = memory.held, math.nan
             if math.isnan(held) or (held > smooth) != (period > smooth):
@@ -412,17 +422,6 @@ class Chooser:
                 # figure from the two windows since the change, not one that still lags behind.
                 self._changed(period, memory.reference, wait=1)
         memory.since += 1
-        # A figure from one window, where none has told how far the loop's windows stray (a
-        # loader's first), tells the loop's pace alone: no probe until the next window has told
-        # that too. Weighed against one window of uneven steps, with no noise allowed for, a
-        # probe takes that window's luck for a difference. In the grid's numpy loop of random
-        # 20 us or 2 ms steps without workers, a new loader's first figure read 0.90 ms a batch
-        # where its windows ran at 1.1 to 1.9; the thread lost its first probe clearly on 4
-        # batches, was probed ever more rarely, and the loop alone was kept: 0.85 of the
-        # recipe, 0.96 with this wait (``benchmarks/results/chooser-variants/``
-        # ``stray-before-first-probe-0d9292d.txt``). Not where the loop settles slowly: a window
-        # is an epoch there.
-        unsure = one and not memory.spread and not memory.settle_s
         due = (
             not unsure
             and memory.since >= memory.backoff
