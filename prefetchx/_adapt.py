@@ -101,6 +101,12 @@ and probed, about: the window it began in, held back as a pause (see `STRAY`), a
 that confirms it. Where the loop goes back and forth between two levels, it pays that at each
 return (see `Chooser._worth_leaving`)."""
 
+STEADY = 2.0
+"""A loop that slowed through a lost probe, from the incumbent's window before to the one
+after it far off its figure, is taken to move steadily (a ramp) where it slowed from the window
+before that one at a pace within this factor of that: not a step just after the probe (a phase
+beginning), which the windows either side of the probe alone cannot tell from a move."""
+
 HIDE_AT_LEAST_S = 10e-6
 """Below this, the shorter of the mean step and the mean wait for data (what a thread could
 hide at best, per batch) is less than any hand-off costs: the thread is not worth a probe."""
@@ -130,6 +136,14 @@ batches of their epochs, and a ramp of steps within every epoch, or phases, weig
 alike. Windows of 0.5 s read a ramp within 1.1 s epochs as a fast half and a slow half: the
 probe ran in the slow one, lost against the fast, and the loop alone was kept in every epoch
 where the thread ran 1.25x (``benchmarks/kept_alone.py --shape ramp --workers 2``)."""
+
+
+class Span(NamedTuple):
+    """A measured window of the incumbent: where it was and its time per batch."""
+
+    middle: float
+    """Its middle, in batches of the epoch since its first (see `Chooser._at`)."""
+    period: float
 
 
 class Level(NamedTuple):
@@ -270,9 +284,16 @@ class Chooser:
         next probe that growth alone sets (see `_pace`); 0 otherwise."""
         self._cost = 0.0
         """What the last lost probe cost, in batches of the incumbent's time."""
-        self._lost = (math.nan, math.nan)
+        self._lost: tuple[float, float, tuple[Span, ...]] = (math.nan, math.nan, ())
         """After a lost probe, until the incumbent's next measured window: the probe's time per
-        batch and the incumbent's last window's before it (see `_lost_to_a_move`)."""
+        batch, where its measured batches were (their middle, see `_at`), and the incumbent's
+        last windows before it (see `_lost_to_a_move`)."""
+        self._at = 0
+        """Batches of the epoch in windows so far (after its first batch), the window now
+        running not yet counted: where each window was, for `_lost_to_a_move`."""
+        self._spans: tuple[Span, ...] = ()
+        """The incumbent's last two measured windows of this epoch (held back ones too), the
+        latest last."""
         self._settled = 0
         """Batches of the last settling window asked for."""
         self._after_settle = False
@@ -330,6 +351,7 @@ class Chooser:
         """
         memory = self.memory
         memory.stayed += self._length
+        self._at += self._length
         period = memory.seen = max(period, TICK_S)  # compared as a ratio below
         deferrable = self._deferrable and not memory.settle_s  # there it goes on (`_settle`)
         after_settle, self._after_settle = self._after_settle, False
@@ -371,14 +393,16 @@ class Chooser:
                 return self._switch()
             return self._settle(switched=True)
         mode = memory.threaded = self.threaded
+        here = Span(self._at - self._length / 2, period)
         smooth = memory.smooth
         unsure = False  # the figure is from one window, its stray not yet told (below)
         slowed, self._slowed = self._slowed, False
         if self._grown:  # the incumbent's first window since a lost probe: what it paid too
             self._pace(max(0.0, period / smooth - 1) * self._length + self._returned)
             self._grown, self._returned = 0, 0.0
-            if self._lost_to_a_move(period):
+            if self._lost_to_a_move(here):
                 return self._take_over()
+        self._spans = (*self._spans[-1:], here)
         if math.isnan(smooth):
             if after_settle and ending and memory.settle_s:
                 # Where the loop settles slowly, a probe is weighed over a whole epoch (see
@@ -609,7 +633,12 @@ class Chooser:
         # PROBE_BUDGET of the loop's time since (the settling batches are taken to cost alike).
         self._cost = (period / incumbent - 1) * (self._probed + self._settled)
         # Kept out though faster, it is not weighed again: it was weighed against nothing else.
-        self._lost = (math.nan, math.nan) if won else (period, memory.last)
+        # Where the probe's measured batches were, and the incumbent's windows before them; a
+        # probe carried over from the last epoch has none of its own: the figure's window then,
+        # taken to sit as far before the probe as the window after it will (a plain mean).
+        middle = self._at - self._probed / 2
+        spans = self._spans or (Span(math.nan, memory.last),)
+        self._lost = (math.nan, math.nan, ()) if won else (period, middle, spans)
         memory.lost_by = period / incumbent - 1
         self._grown = (CLEAR_GROWTH if clear else 2) * memory.backoff
         self._pace()
@@ -652,26 +681,35 @@ class Chooser:
         gain = (incumbent - period) * max(memory.visited, memory.stayed)
         return gain > won_by * there.period * LAG
 
-    def _lost_to_a_move(self, after: float) -> bool:
+    def _lost_to_a_move(self, after: Span) -> bool:
         """Whether the probe just lost would have won against the incumbent's windows either
-        side of it, ``after`` a batch being the first since: the loop slowed while the probe
-        ran (a warm-up, growing steps), so the figure it was weighed against was from the past.
-        The mean of the windows either side takes a steady move out, as the smoothed figure,
-        which trails such a loop by about three windows' move, cannot. Where the loop slowed,
-        the loss the level remembers (``lost_by``) is capped by the probe's against ``after``."""
-        probe, before = self._lost
-        self._lost = (math.nan, math.nan)
-        if not before < after:  # NaN: no probe lost
+        side of it, ``after`` being the first since: the loop slowed while the probe ran (a
+        warm-up, growing steps), so the figure it was weighed against was from the past.
+
+        The incumbent's pace where the probe ran is read off the line through the windows
+        either side, at the middle of the probe's measured batches: that takes a steady move
+        out, as the smoothed figure, which trails such a loop by about three windows' move,
+        cannot, and as their plain mean can only where the probe sits halfway between them.
+        A loader's epoch of the grid's numpy ramp opened with a window of 73 batches: their
+        mean put the probe of the thread 20 batches too early on the climb, and the thread,
+        faster at every step of the ramp, lost. Where ``after`` is far off the figure, a move
+        and a step just after the probe look alike: the move is taken only where the window
+        before the last one says the loop was moving at about that pace already (`STEADY`).
+        Where the loop slowed, the loss the level remembers (``lost_by``) is capped by the
+        probe's against ``after``."""
+        probe, middle, spans = self._lost
+        self._lost = (math.nan, math.nan, ())
+        if not spans or not spans[-1].period < after.period:  # no probe lost, or no slowing
             return False
         # Lost by as much as it is slower than the incumbent after it, at most: a loss to the
         # loop's move is no answer for the level (see `_changed`), however far the move.
         memory = self.memory
-        memory.lost_by = min(memory.lost_by, probe / after - 1)
-        if self._far_off(after):  # a move, or a step just after the probe: can't be told here
-            self._slowed = probe < after  # the change it may be comes with a probe
+        memory.lost_by = min(memory.lost_by, probe / after.period - 1)
+        if self._far_off(after.period) and not _steady(spans, after):
+            self._slowed = probe < after.period  # the change it may be comes with a probe
             return False
-        level = (before + after) / 2
-        return probe < level * (1 - max(MARGIN, self.memory.spread / level))
+        level = _along(spans[-1], after, middle)
+        return probe < level * (1 - max(MARGIN, memory.spread / level))
 
     def _far_off(self, period: float) -> bool:
         """Whether a window of the incumbent is too far off its figure to count in it (see
@@ -721,6 +759,27 @@ class Chooser:
         """The answer: the next window's mode and length, kept to measure the window by."""
         self._length = length
         return threaded, length
+
+
+def _along(before: Span, after: Span, middle: float) -> float:
+    """The time per batch at batch ``middle`` on the line through two windows; halfway
+    between them where ``before``'s place is not known."""
+    share = (middle - before.middle) / (after.middle - before.middle)
+    if math.isnan(share):
+        share = 0.5
+    return before.period + (after.period - before.period) * share
+
+
+def _steady(spans: tuple[Span, ...], after: Span) -> bool:
+    """Whether the incumbent's windows ``spans`` (two) and ``after`` lie on a steady move:
+    the loop slowing from the first to the second at a pace within `STEADY` times its pace
+    from the second to ``after``."""
+    if len(spans) < 2:
+        return False
+    first, last = spans
+    before = (last.period - first.period) / (last.middle - first.middle)
+    since = (after.period - last.period) / (after.middle - last.middle)
+    return since / STEADY <= before <= since * STEADY
 
 
 def _nearest(levels: Iterable[Level], period: float) -> Level | None:

@@ -602,6 +602,74 @@ def test_a_probe_lost_to_a_move_of_the_loop_takes_over_late(after: float, taken:
         assert memory.smooth == 1.2 * MS
 
 
+def _probe_lost_after(before: list[float], probe: float) -> Chooser:
+    """A chooser whose next window is the loop's first measured one after a probe of the
+    thread lost: the loop ran its windows ``before`` inline (16 batches each) from a figure of
+    1 ms a batch, then the thread, ``probe`` a batch over its measured batches (16, or 4 where
+    it was slower beyond doubt there)."""
+    memory = _due_at_the_next_window(1 * MS, 0.02 * MS)
+    memory.backoff = len(before)
+    chooser = Chooser(memory)
+    assert chooser.start() == (False, WINDOW)
+    for period in before[:-1]:
+        assert chooser.window(period * MS, _means()) == (False, WINDOW)
+    assert chooser.window(before[-1] * MS, _means()) == (True, SETTLE)  # the probe is due
+    assert chooser.window(probe * MS, _means()) == (True, PEEK)
+    answer = chooser.window(probe * MS, _means())
+    if answer == (True, WINDOW - PEEK):  # not slower beyond doubt at its peek: measured on
+        answer = chooser.window(probe * MS, _means())
+    assert answer == (False, SETTLE_INLINE)  # lost
+    assert chooser.window(probe * MS, _means()) == (False, WINDOW)  # settling
+    return chooser
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "taken"),
+    [
+        # A ramp: 0.1 ms a batch more every 16 batches. Where the thread ran (batches 36 to
+        # 52 after the windows' start) the loop alone took 1.225 ms; the thread, 1.1.
+        ([1.0, 1.1], 1.331, True),
+        # The same windows either side, the loop flat before them: a step just after the
+        # probe (a phase beginning), not a move the probe ran in.
+        ([1.1, 1.1], 1.331, False),
+        # A ramp that steepened after the probe, past what a steady move is: a step.
+        ([1.0, 1.02], 1.331, False),
+    ],
+)
+def test_a_probe_lost_to_a_steady_move_takes_over_late_though_the_window_after_is_far_off(
+    before: list[float], after: float, taken: bool
+) -> None:
+    # The grid's numpy ramp, traced on the real loop: each probe of the thread ran on a higher
+    # step than the loop alone's windows before it and lost, and the window after it was too
+    # far off the figure to weigh the probe against. The loop alone was kept in 4 of 16 runs of
+    # 8 epochs, where the thread was 15% faster all along (benchmarks/kept_alone.py --shape
+    # ramp at 545d56d).
+    chooser = _probe_lost_after(before, 1.1)
+    memory = chooser.memory
+    answer = chooser.window(after * MS, _means())
+    assert answer == ((True, SETTLE) if taken else (False, WINDOW))
+    assert memory.threaded is taken
+
+
+def test_a_probe_is_placed_between_the_windows_either_side_by_their_batches() -> None:
+    # The windows either side weigh by where they were, not as a plain mean: a long window
+    # before the probe (the loop's batches counted over 20 ms, at a ramp's foot) sits further
+    # from it than the window after. Here the loop alone ran 1.0 ms a batch over 48 batches
+    # (their middle 30 batches before the probe's 4), then 1.24 ms over 16 after it (their
+    # middle 11 batches after): 1.18 ms where the thread ran, which beat it at 1.1 by 6%, more
+    # than the margin. Their plain mean, 1.12 ms, says it lost, within the margin.
+    memory = _due_at_the_next_window(1 * MS, 0.01 * MS)
+    chooser = Chooser(memory)
+    assert chooser.start() == (False, WINDOW)
+    chooser.cut(48)
+    assert chooser.window(1.0 * MS, _means()) == (True, SETTLE)
+    assert chooser.window(1.1 * MS, _means()) == (True, PEEK)
+    assert chooser.window(1.1 * MS, _means()) == (False, SETTLE_INLINE)  # lost at its peek
+    assert chooser.window(1.1 * MS, _means()) == (False, WINDOW)  # settling
+    assert chooser.window(1.24 * MS, _means()) == (True, SETTLE)
+    assert memory.threaded is True
+
+
 @pytest.mark.parametrize(
     ("after", "probed"),
     [
