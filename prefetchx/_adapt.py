@@ -292,8 +292,8 @@ class Chooser:
         """Batches of the epoch in windows so far (after its first batch), the window now
         running not yet counted: where each window was, for `_lost_to_a_move`."""
         self._spans: tuple[Span, ...] = ()
-        """The incumbent's last two measured windows of this epoch (held back ones too), the
-        latest last."""
+        """The incumbent's last two measured windows of this epoch since it took over (held back
+        ones too), the latest last."""
         self._settled = 0
         """Batches of the last settling window asked for."""
         self._after_settle = False
@@ -625,6 +625,7 @@ class Chooser:
         won = self._wins(period)
         if won and self._worth_leaving(period, incumbent):  # it is the incumbent now
             memory.threaded, memory.backoff = self.threaded, (CLEAR_GROWTH if clear else 1)
+            self._spans = ()
             memory.lost_by = incumbent / period - 1
             memory.spread *= period / incumbent  # its windows stray alike, for their length
             memory.smooth = memory.reference = memory.last = period
@@ -691,7 +692,7 @@ class Chooser:
         out, as the smoothed figure, which trails such a loop by about three windows' move,
         cannot, and as their plain mean can only where the probe sits halfway between them.
         A loader's epoch of the grid's numpy ramp opened with a window of 73 batches: their
-        mean put the probe of the thread 20 batches too early on the climb, and the thread,
+        mean put the probe of the thread about 15 batches too early on the climb, and the thread,
         faster at every step of the ramp, lost. Where ``after`` is far off the figure, a move
         and a step just after the probe look alike: the move is taken only where the window
         before the last one says the loop was moving at about that pace already (`STEADY`).
@@ -721,6 +722,7 @@ class Chooser:
         """The mode just probed takes over, its figure to be set from its first window."""
         memory = self.memory
         memory.threaded = not self.threaded
+        self._spans = ()
         memory.lost_by = 0.0
         memory.smooth = memory.reference = memory.last = memory.held = math.nan
         memory.backoff, memory.since = 1, 0
