@@ -114,20 +114,20 @@ hide at best, per batch) is less than any hand-off costs: the thread is not wort
 SLOW_SETTLE_S = 0.5
 """Seconds a switch of mode takes to show in the pace of a loop whose DataLoader workers are as
 many as the CPUs it may use (`settle_for`). There the OS places the loop's threads and the
-workers anew after a switch, and the pace moves for 0.3 s to over 1.5 s: on the 2-core VM with
-2 workers, the thread read 0.92 to 0.97 of the loop alone's time per batch in the 2 windows after
+workers anew after a switch, and the pace moves for 0.3 s to over 1.5 s: on the 2-core VM with 2
+workers, the thread read 0.92 to 0.97 of the loop alone's time per batch in the 2 windows after
 a switch (what a probe of 20 batches sees) and 1.21 to 1.28 once settled in one loop, 0.74 and
 1.11 in another, and 1.03 and 0.93 in a third, where it wins (``benchmarks/mode_trace.py``).
 With 1 worker, or none, a mode's pace shows within a few batches, as `SETTLE` has it. Where a
 loop settles slowly, the thread is the first incumbent where it may help (`_thread_may_help`):
 there an epoch strays by about 10% in either mode, so a probe of one epoch keeps whichever mode
 came first unless the other wins by more, and the thread loses by 0% to 10% where it loses
-(numpy loops of 20 and 200 us) and wins by 15% to 30% where it wins (Python loops), on the
-2-core VM with 2 workers. The batches of this long after a switch within an epoch, and after a
-loader's first 4, are not measured; its windows end with the epoch (`SLOW_WINDOW_S`); a probe
-is measured whole, with no look after `PEEK` batches, and an epoch's end does not put it off;
-and a change of the loop's pace brings no probe at once (its pace drifts by more than `CHANGED`
-over seconds there, in either mode)."""
+(numpy loops of 20 and 200 us; 15% in the second on another day, at 545d56d) and wins by 15% to
+30% where it wins (Python loops), on the 2-core VM with 2 workers. The batches of this long
+after a switch within an epoch, and after a loader's first 4, are not measured; its windows end
+with the epoch (`SLOW_WINDOW_S`); a probe is measured whole, with no look after `PEEK` batches,
+and an epoch's end does not put it off; and a change of the loop's pace brings no probe at once
+(its pace drifts by more than `CHANGED` over seconds there, in either mode)."""
 
 SLOW_WINDOW_S = 30.0
 """Seconds a measured window lasts at most where the loop settles slowly (`SLOW_SETTLE_S`):
