@@ -670,6 +670,33 @@ def test_a_probe_is_placed_between_the_windows_either_side_by_their_batches() ->
     assert memory.threaded is True
 
 
+def test_a_lost_probe_is_weighed_along_the_incumbents_windows_since_it_took_over() -> None:
+    # A loop that climbs fast. The thread took over late, on a line through the loop alone's
+    # windows; the loop alone's probe after it lost, and the thread's window after that is far
+    # off. Through the loop alone's last window (1.56 ms) and the thread's (3.0 ms), the line
+    # read a steady move and handed the loop alone the lead; one window of the thread's own
+    # cannot tell a move from a step, so the thread stays.
+    memory = _due_at_the_next_window(1 * MS, 0.02 * MS)
+    chooser = Chooser(memory)
+    assert chooser.start() == (False, WINDOW)
+    assert chooser.window(1.3 * MS, _means()) == (False, WINDOW)  # far off: held
+    assert chooser.window(1.56 * MS, _means()) == (True, SETTLE)  # changed: a probe at once
+    assert chooser.window(1.638 * MS, _means()) == (True, PEEK)
+    assert chooser.window(1.63 * MS, _means()) == (True, WINDOW - PEEK)
+    assert chooser.window(1.853 * MS, _means()) == (False, SETTLE_INLINE)  # lost
+    assert chooser.window(2.162 * MS, _means()) == (False, WINDOW)  # settling
+    assert chooser.window(2.162 * MS, _means()) == (True, SETTLE)  # lost to the climb
+    assert memory.threaded is True
+    assert chooser.window(1.903 * MS, _means()) == (True, WINDOW)  # settling
+    assert chooser.window(2.997 * MS, _means()) == (False, SETTLE_INLINE)  # a probe
+    assert chooser.window(2.854 * MS, _means()) == (False, PEEK)
+    assert chooser.window(2.854 * MS, _means()) == (False, WINDOW - PEEK)
+    assert chooser.window(3.425 * MS, _means()) == (True, SETTLE)  # lost
+    assert chooser.window(3.956 * MS, _means()) == (True, WINDOW)  # settling
+    assert chooser.window(4.747 * MS, _means()) == (True, WINDOW)
+    assert memory.threaded is True
+
+
 @pytest.mark.parametrize(
     ("after", "probed"),
     [
