@@ -95,6 +95,15 @@ TICK_S = 1e-9
 LEVELS = 8
 """Levels of the loop remembered with the pacing of their probes (see `Chooser._changed`)."""
 
+KNOWN = 0.10
+"""How much slower the other mode must have been in a level's last probe for that level's
+pacing to go on when the loop comes back to it after other levels (see `Chooser._changed`):
+more than a narrow loss, and less than a thread wins by on the grid's numpy ramp (about 16%).
+There, with `CHANGED` for this and the loss taken against the incumbent's window after the
+probe, the levels were probed again in every epoch: 3 probes of the loop alone an epoch, lost
+by 17% to 35% against the line through the thread's windows either side but by 1% to 11%
+against the window after, cost the ramp 0.970 of the recipe; 0.990 now, in the same rounds."""
+
 LAG = 2 * WINDOW
 """Batches a change of the loop runs in the mode it left before the stage has seen the change
 and probed, about: the window it began in, held back as a pause (see `STRAY`), and the one
@@ -495,13 +504,13 @@ class Chooser:
 
         Back at the level before the last change, whatever its probes said (an evaluation
         phase; phases of short and long steps). Back at an older one (the nearest, within
-        `CHANGED`), only if its last probe was decided clearly: the other mode, probed or
-        left, slower by more than `CHANGED` than the incumbent and, where a probe was lost
-        while the loop slowed, than the incumbent's first window after it too (see
-        `_lost_to_a_move`). A
-        loop that moves steadily passes a level again only after the whole of its move (the
-        same ramp in the next epoch), and a narrow loss there, or one to the move, may say
-        nothing of the other mode; a clear one does.
+        `CHANGED`), only if its last probe was decided: the other mode, probed or left, slower
+        by more than `KNOWN` than the incumbent and, where a probe was lost while the loop
+        slowed, than the incumbent where it ran, read off the line through its windows either
+        side (see `_lost_to_a_move`). A loop that moves steadily passes a level again only
+        after the whole of its move (the same ramp in the next epoch), and a narrow loss
+        there, or one to the move, may say nothing of the other mode; a loss beyond `KNOWN`
+        where the probe ran does.
         """
         memory = self.memory
         if memory.settle_s:  # the loop's pace drifts that far there: a drift, not a change
@@ -524,7 +533,7 @@ class Chooser:
             (
                 known
                 for n, known in enumerate(memory.levels)
-                if known.threaded == mode and (n == 0 or known.lost_by > CHANGED)
+                if known.threaded == mode and (n == 0 or known.lost_by > KNOWN)
             ),
             period,
         )
@@ -697,19 +706,22 @@ class Chooser:
         and a step just after the probe look alike: the move is taken only where the window
         before the last one says the loop was moving at about that pace already (`STEADY`).
         Where the loop slowed, the loss the level remembers (``lost_by``) is capped by the
-        probe's against ``after``."""
+        probe's against that line, or where ``after`` is far off and the move not taken, against
+        ``after``."""
         probe, middle, spans = self._lost
         self._lost = (math.nan, math.nan, ())
         if not spans or not spans[-1].period < after.period:  # no probe lost, or no slowing
             return False
-        # Lost by as much as it is slower than the incumbent after it, at most: a loss to the
-        # loop's move is no answer for the level (see `_changed`), however far the move.
+        # Lost by as much as it is slower than the incumbent where it ran, at most, or where
+        # that is not known, than the incumbent after it: a loss to the loop's move is no
+        # answer for the level (see `_changed`), however far the move.
         memory = self.memory
-        memory.lost_by = min(memory.lost_by, probe / after.period - 1)
         if self._far_off(after.period) and not _steady(spans, after):
+            memory.lost_by = min(memory.lost_by, probe / after.period - 1)
             self._slowed = probe < after.period  # the change it may be comes with a probe
             return False
         level = _along(spans[-1], after, middle)
+        memory.lost_by = min(memory.lost_by, probe / level - 1)  # where the probe ran
         return probe < level * (1 - max(MARGIN, memory.spread / level))
 
     def _far_off(self, period: float) -> bool:
