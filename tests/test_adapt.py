@@ -560,29 +560,32 @@ def test_the_grids_ramp_by_levels_probes_less_in_each_epoch_after_the_first() ->
     # most lost clearly: over 12 seeds of 16 epochs, the epochs after the first 4 ran 5.3%
     # over the faster mode (9.2% at the worst seed). The levels' pacing now goes on in the
     # next epoch where their probes were lost clearly: 2.1% (3.2%).
+    ratios = _the_grids_ramp_by_levels()
+    assert sum(ratios) / len(ratios) < 1.03
+    assert max(ratios) < 1.045
+
+
+def _the_grids_ramp_by_levels() -> list[float]:
+    """The grid's ramp, 8 levels of step over 207 batches and 0.2 ms of data, with noise, over
+    12 seeds of 16 epochs: for each seed, its epochs after the first 4 over the faster mode."""
     ratios = []
     for seed in range(12):
         rng, memory = random.Random(seed), Memory()
         epochs = [_ramp_epoch(memory, 207, 0.2 * MS, rng, levels=8) for _ in range(16)]
         ratios.append(sum(epochs[4:]) / len(epochs[4:]))
-    assert sum(ratios) / len(ratios) < 1.03
-    assert max(ratios) < 1.045
+    return ratios
 
 
 def test_the_grids_ramp_goes_on_with_the_pacing_of_levels_whose_probes_lost_where_they_ran() -> (
     None
 ):
-    # The same ramp. A probe of the loop alone at each level lost by about 16% where it ran,
-    # against the line through the thread's windows either side, but the level remembered
-    # its loss against the thread's window after it, higher on the climb: 1% to 11%, within
-    # CHANGED, and so every level was probed again in every epoch: 2.0% over the faster mode
-    # (2.6% at the worst seed). With the loss where the probe ran, and counted beyond KNOWN:
-    # 0.2% (0.4%).
-    ratios = []
-    for seed in range(12):
-        rng, memory = random.Random(seed), Memory()
-        epochs = [_ramp_epoch(memory, 207, 0.2 * MS, rng, levels=8) for _ in range(16)]
-        ratios.append(sum(epochs[4:]) / len(epochs[4:]))
+    # The same ramp. As traced on the real loop at 81559f6, a probe of the loop alone at a
+    # level lost by more than KNOWN against the line through the thread's windows either side,
+    # but the level remembered its loss against the thread's window after it, higher on the
+    # climb (1% to 11% there), and only a loss beyond CHANGED counted: every level was probed
+    # again in every epoch, 2.0% over the faster mode (2.6% at the worst seed). With the loss
+    # where the probe ran, counted beyond KNOWN: 0.2% (0.4%).
+    ratios = _the_grids_ramp_by_levels()
     assert sum(ratios) / len(ratios) < 1.01
     assert max(ratios) < 1.015
 
