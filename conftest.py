@@ -95,27 +95,28 @@ def no_accelerator_unless_marked(
 def thread_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Outside `adaptive`-marked tests, the thread stage runs its thread from the second item on.
 
-    By default the stage makes items in the caller's thread until measuring shows the thread
-    is faster, so a test whose loop does no work would never start it, and a test of what the
-    thread does would pass without testing it. The tests of the choice itself are marked
-    `adaptive`; a test that switches on purpose patches the chooser again, and its patch wins.
+    By default a loader parks its thread where measuring shows the loop faster without it, so a
+    test whose loop does no work would soon run without it, and a test of what the thread does
+    could pass without testing it. The tests of the decision itself are marked `adaptive`; a
+    test that switches on purpose patches the decision again, and its patch wins.
     """
     if request.node.get_closest_marker("adaptive") is not None:
         return
     from tests.helpers import AlwaysThreaded
 
-    monkeypatch.setattr("prefetchx._thread_stage.Chooser", AlwaysThreaded)
+    monkeypatch.setattr("prefetchx._pipeline.Decision", AlwaysThreaded)
 
 
 @pytest.fixture(params=["threaded", "switching"])
 def both_modes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs a test twice: with the thread on (as `thread_mode` has it), and with the stage
-    handing the source between the thread and the caller every other item, the hand-over at
-    its most frequent."""
+    """Runs a test twice: with the thread on (as `thread_mode` has it), and with the loader
+    handing the source between the thread and the caller at every window of one item, the
+    hand-over at about its most frequent."""
     if request.param == "switching":
         from tests.helpers import Switching
 
-        monkeypatch.setattr("prefetchx._thread_stage.Chooser", Switching)
+        monkeypatch.setattr("prefetchx._pipeline.Decision", Switching)
+        monkeypatch.setattr("prefetchx._iterator.WINDOW", 1)
     return str(request.param)
 
 

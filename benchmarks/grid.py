@@ -307,17 +307,16 @@ def measure_cell(
 
 
 class ForcedThread:
-    """The thread stage over a DataLoader with its inline switch off, so a loop with no work
-    times the hand-off alone: every batch comes from the thread, or with ``steal``, from the
-    loop itself when the thread has none ready and is not making one."""
+    """The thread stage over a DataLoader on its own, with no decision to park its thread, so a
+    loop with no work times the hand-off alone: every batch after the first comes from the
+    thread."""
 
-    def __init__(self, loader: Iterable[Any], max_prefetch: int, steal: bool = True) -> None:
+    def __init__(self, loader: Iterable[Any], max_prefetch: int) -> None:
         self.loader = loader
         self.max_prefetch = max_prefetch
-        self.steal = steal
 
     def __iter__(self) -> ThreadStage[Any]:
-        return ThreadStage(iter(self.loader), self.max_prefetch, adaptive=False, steal=self.steal)
+        return ThreadStage(iter(self.loader), self.max_prefetch)
 
 
 def _switches() -> int:
@@ -330,18 +329,15 @@ def measure_handoff(
     batches: int, rounds: int, max_prefetch: int, progress: Callable[[str], None]
 ) -> dict[str, Any]:
     """What a threaded hand-off costs: a loop with no work at all over plain DataLoader, the
-    thread stage with its switch off (with ``steal``, and without: every batch handed over),
-    and the floor (a run-ahead SimpleQueue thread), in paired rounds; per arm, the time per
-    batch above plain's and the context switches per batch. The thread stage is also measured
-    at the `DEEPER` depths, in the same rounds."""
+    thread stage with no decision (every batch handed over), and the floor (a run-ahead
+    SimpleQueue thread), in paired rounds; per arm, the time per batch above plain's and the
+    context switches per batch. The thread stage is also measured at the `DEEPER` depths, in
+    the same rounds."""
     dataset = WorkDataset(batches, Work("sleep", 0.0))
     deeper = [d for d in DEEPER if d > max_prefetch]
     loaders: dict[str, Iterable[Any]] = {
         "plain": DataLoader(dataset, batch_size=None),
         "thread": ForcedThread(DataLoader(dataset, batch_size=None), max_prefetch),
-        "handed over": ForcedThread(
-            DataLoader(dataset, batch_size=None), max_prefetch, steal=False
-        ),
         "floor": ARMS["floor"](dataset, max_prefetch, {"batch_size": None}),
         **{f"depth {d}": ForcedThread(DataLoader(dataset, batch_size=None), d) for d in deeper},
     }
@@ -373,7 +369,7 @@ def measure_handoff(
     def over_floor(us: float) -> float | None:
         return us / floor if floor > 0 else None
 
-    main_arms = ("plain", "thread", "handed over", "floor")
+    main_arms = ("plain", "thread", "floor")
     return {
         "batches": batches,
         "max_prefetch": max_prefetch,
@@ -381,7 +377,6 @@ def measure_handoff(
         "extra_us_per_batch": {arm: extra[arm] for arm in main_arms},
         "switches_per_batch": {arm: per_batch[arm] for arm in main_arms},
         "thread_over_floor": over_floor(extra["thread"]),
-        "handed_over_over_floor": over_floor(extra["handed over"]),
         "depths": {
             str(d): {
                 "extra_us_per_batch": extra[f"depth {d}"],
@@ -511,9 +506,6 @@ def summarize_handoff(handoff: dict[str, Any]) -> dict[str, Any]:
         "thread_over_floor": handoff["thread_over_floor"],
         "thread_switches": handoff["switches_per_batch"]["thread"],
         "floor_switches": handoff["switches_per_batch"]["floor"],
-        "handed_over_us": handoff["extra_us_per_batch"]["handed over"],
-        "handed_over_switches": handoff["switches_per_batch"]["handed over"],
-        "handed_over_over_floor": handoff["handed_over_over_floor"],
         "depths": {d: m["over_floor"] for d, m in handoff["depths"].items()},
     }
 
@@ -538,10 +530,9 @@ SUMMARY_NOTES = (
     "above read those cells from their second look, and this line gives the same figures from "
     "the first look alone",
     "hand-off: a loop with no work and no workers, timed apart: the time per batch above plain's "
-    "(paired by round) and the context switches per batch of the thread stage with its inline "
-    "switch off (the loop makes a batch itself only when the thread has none ready and is not "
-    "making one) and of the floor; the first over the second (target <= 1.5); then the thread "
-    "stage handing over every batch (steal=False), and the thread stage at deeper queues",
+    "(paired by round) and the context switches per batch of the thread stage on its own (every "
+    "batch handed over by its thread) and of the floor; the first over the second; then the "
+    "thread stage at deeper queues",
 )
 
 
@@ -583,9 +574,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         wrap(
             f"hand-off: the thread stage {h['thread_us']:.1f} us a batch above plain "
             f"({h['thread_switches']:.2f} switches a batch), the floor {h['floor_us']:.1f} us "
-            f"({h['floor_switches']:.2f}): {over}; every batch handed over: "
-            f"{h['handed_over_us']:.1f} us ({h['handed_over_switches']:.2f}), "
-            f"{_times(h['handed_over_over_floor'])}"
+            f"({h['floor_switches']:.2f}): {over}"
         )
     )
     if h["depths"]:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import collections
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
@@ -15,7 +13,7 @@ from prefetchx._checks import check_int
 from prefetchx._device import Copies, CudaStreams, dense_parts
 from prefetchx._engine import Failure, Signal
 from prefetchx._normalize import Normalize
-from prefetchx._stats import EpochStats, Tally
+from prefetchx._stats import EpochStats
 from prefetchx._thread_stage import ThreadStage
 
 
@@ -48,8 +46,8 @@ class DeviceStage(Iterator[Any]):
       after the dataset or collate function has returned it.
     * Depth: at most ``device_prefetch`` batches are on the device besides the one the caller
       holds. Copies start right after a batch is handed over, for the host batches the thread
-      stage gives without waiting for its thread (`ThreadStage.take`): those its thread has
-      waiting, or, while the thread is parked, batches the caller makes then; ``next()`` waits
+      stage gives without waiting for its thread (`ThreadStage.take_ahead`): those its thread
+      has waiting, or, while the thread is parked, batches the caller makes then; a take waits
       for the source only when nothing is in flight. ``0`` copies each batch when it is asked
       for, and so does any depth with no thread (``max_prefetch=0``). Device memory held through
       ``record_stream`` is not counted: a batch's memory is reused only once the caller's work
@@ -66,18 +64,12 @@ class DeviceStage(Iterator[Any]):
     Without ``streams`` (MPS and other accelerators) copies are blocking on the current stream.
 
     Outcomes keep their order: an exception raised for a batch (by the source, the copy or the
-    normalization) is raised in that batch's turn, after the batches before it, and the next
-    ``next()`` goes on with the batches after it. A Ctrl-C while waiting for the source is
+    normalization) is handed over in that batch's turn, after the batches before it, and the
+    next take goes on with the batches after it. A Ctrl-C while waiting for the source is
     raised at once and loses nothing.
 
-    This stage faces the loop, so it records the loop's wait and step in the thread stage's
-    `EpochStats` and counts each outcome there (`ThreadStage.counted`): the thread stage
-    decides from those figures whether its thread runs.
-
     Args:
-        source: Host batches: the thread stage, which must not have the caller make batches
-            while its thread runs (``steal=False``): a take that must not wait then finds
-            only batches the thread made.
+        source: Host batches: the thread stage.
         device: Where batches go.
         copies: How tensors get to ``device``: `CudaStreams`, or `Copies` where there are no
             streams.
@@ -87,6 +79,7 @@ class DeviceStage(Iterator[Any]):
         input_key: Which element of a batch is the input.
         device_prefetch: Batches in flight on the device.
         non_blocking: Queue copies asynchronously (with ``streams``).
+        stats: Where the GPU stall meter goes; a new `EpochStats` by default.
     """
 
     def __init__(
@@ -100,13 +93,13 @@ class DeviceStage(Iterator[Any]):
         input_key: int | str = 0,
         device_prefetch: int = 1,
         non_blocking: bool = True,
+        stats: EpochStats | None = None,
     ) -> None:
         self.device = device
         self.device_prefetch = check_int("device_prefetch", device_prefetch, minimum=0)
         self._upstream: ThreadStage[Any] | None = source
         self._thread_stage = source
-        self.stats: EpochStats = source.stats
-        self.tally = Tally(self.stats.wait)
+        self.stats = stats if stats is not None else EpochStats()
         self._upstream_ended = False
         self._copies = copies
         self._streams = streams
@@ -121,20 +114,20 @@ class DeviceStage(Iterator[Any]):
         if self._idle is not None:
             self.stats.gpu_idle.refresh = self._idle.read
         _let_go()
-        self._returned_at: float | None = None
 
     def __iter__(self) -> DeviceStage:
         return self
 
-    def parts(self) -> Iterator[Iterator[Any]]:
-        """The stage's outcomes for a loop's iterator that chains parts (see
-        `ThreadStage.parts`): this stage itself, which times every batch, as the one part."""
-        return iter((self,))
-
     def __next__(self) -> Any:
-        asked_at = time.perf_counter()
-        if self._returned_at is not None:
-            self.stats.step.add(asked_at - self._returned_at)
+        value = self.take()
+        if value.__class__ is Failure:
+            del self  # the traceback keeps this frame: it must not keep the stage alive
+            value.reraise()
+        return value
+
+    def take(self) -> Any:
+        """The next outcome: a batch on the device, or a `Failure` holding what was raised in
+        its place (not raised: whoever faces the loop raises it); `StopIteration` at the end."""
         streams = self._streams
         # The caller's stream, asked once: it cannot change inside this call.
         consumer = streams.consumer() if streams is not None else None
@@ -145,7 +138,7 @@ class DeviceStage(Iterator[Any]):
             if upstream is None or self._upstream_ended:
                 self._finish()
             try:
-                value = upstream.take(block=True)
+                value = upstream.take()
             except StopIteration:
                 self._upstream_ended = True
                 self._finish()
@@ -153,9 +146,7 @@ class DeviceStage(Iterator[Any]):
         head = in_flight.popleft()
         if head.__class__ is Failure:
             self._top_up(consumer)
-            self._returned(asked_at)
-            self.stats.add_errors(1)
-            head.reraise()
+            return head
         batch, event, host = head  # type: ignore[misc]
         if streams is not None:
             streams.wait(consumer, event)
@@ -167,20 +158,10 @@ class DeviceStage(Iterator[Any]):
                 self._idle.handed(asked, consumer)
         # The next batches' copies overlap the caller's work on this one.
         self._top_up(consumer)
-        self._returned(asked_at)
         return batch
-
-    def _returned(self, asked_at: float) -> None:
-        returned_at = time.perf_counter()
-        if self._returned_at is None:
-            self.stats.warmup_s = returned_at - asked_at
-        self._returned_at = returned_at
-        self.stats.wait.add(returned_at - asked_at)
-        self._thread_stage.counted()
 
     def _finish(self) -> NoReturn:
         """Nothing in flight and nothing more upstream: the stage is done."""
-        self.tally.ended = self._upstream_ended
         self.close()
         raise StopIteration
 
@@ -196,7 +177,7 @@ class DeviceStage(Iterator[Any]):
             and not self._upstream_ended
         ):
             try:
-                value = upstream.take(block=False)
+                value = upstream.take_ahead()
             except StopIteration:
                 self._upstream_ended = True
                 return
@@ -260,11 +241,6 @@ class DeviceStage(Iterator[Any]):
     def abandon(self) -> None:
         """Nothing else will use the source (see `ThreadStage.abandon`)."""
         self._thread_stage.abandon()
-
-    @property
-    def thread(self) -> threading.Thread | None:
-        """The thread stage's background thread, if any."""
-        return self._thread_stage.thread
 
     @property
     def producer_alive(self) -> bool:

@@ -7,12 +7,18 @@ with persistent workers, where DataLoader keeps one iterator and calls its ``_re
 makes is one of these, wrapping the DataLoader iterator made on the calling thread with stages of
 its own.
 
+The iterator faces the loop, so it is also the stall meter: it times each ``next()`` and the step
+between two, counts every outcome it hands over into the epoch's `EpochStats` (which outlive the
+iterator: a state taken after any exit counts what the loop received), and every `WINDOW`
+batches hands the loop's pace to the loader's `Decision`, then switches the thread stage to the
+mode it wants.
+
 Lifecycle of one iterator:
 
 * made: nothing runs yet; the DataLoader iterator exists (workers started, their index queues
   primed, as DataLoader does at ``iter()``).
-* first ``next()``: the first batch is made in the caller's thread, then the stages' thread
-  starts (see `ThreadStage`).
+* first ``next()``: the first batch is made in the caller's thread, then the thread starts,
+  unless the loader's last epochs found the loop faster without it (see `prefetchx._choose`).
 * running: each ``next()`` hands over the next outcome, a batch or the exception raised in its
   place; an exception does not end the epoch.
 * ended: the DataLoader iterator raised `StopIteration`; so does every later ``next()``.
@@ -31,17 +37,21 @@ Lifecycle of one iterator:
 
 from __future__ import annotations
 
-import itertools
+import math
 from collections.abc import Iterator
-from typing import Any, Generic, TypeVar, cast
+from time import perf_counter
+from typing import Any, Generic, TypeVar
 
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from prefetchx import _engine
-from prefetchx._pipeline import Pipeline, Stage
+from prefetchx._choose import WINDOW, Window
+from prefetchx._engine import Failure
+from prefetchx._pipeline import Pipeline
+from prefetchx._producer import describe
 from prefetchx._resume import DatasetSnapshots, Position
-from prefetchx._stats import EpochStats, Tally
+from prefetchx._stats import FOLD_EVERY, EpochStats, Tally
 
 T = TypeVar("T")
 
@@ -54,6 +64,7 @@ class Epoch:
     def __init__(self, position: Position | None = None) -> None:
         self.stats = EpochStats()
         self.tally = Tally(self.stats.wait)
+        """The outcomes the loop received (one wait sample each), and whether the epoch ended."""
         self.position = position
         """Where the sampler is, for `DataLoaderX.state_dict`; ``None`` without a sampler."""
         self.snapshots: DatasetSnapshots | None = None
@@ -66,19 +77,7 @@ class PrefetchIterator(Iterator[T], Generic[T]):
     It behaves as the DataLoader iterator it wraps (``next()``, ``len()``, not picklable), with
     the prefetch stages behind ``next()``. ``close()`` and ``with`` stop its thread; see the
     module docstring for its whole lifecycle.
-
-    Over anything but DataLoader's worker processes, the iterator is a `_Chained`, whose
-    ``next()`` runs no Python of its own; over workers (the only iterators DataLoader resets),
-    ``next()`` is a method, which costs nothing next to a batch from a worker.
     """
-
-    def __new__(cls, source: Iterator[T], *args: Any, **kwargs: Any) -> PrefetchIterator[T]:
-        if cls is PrefetchIterator and not isinstance(source, _MultiProcessingDataLoaderIter):
-            parts = _Parts()
-            chained = cast(_Chained[T], _Chained.from_iterable(parts))  # typeshed: a chain
-            chained._parts = parts
-            return chained  # initialized by __init__, as an instance of the class called
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -90,7 +89,7 @@ class PrefetchIterator(Iterator[T], Generic[T]):
         recorder: Any = None,
         feed: Iterator[T] | None = None,
         length: int | None = None,
-        own_last: bool = False,
+        own_calls: int = 0,
     ) -> None:
         self._source: Iterator[T] | None = source
         self._feed = feed  # what the stages pull from, when not the source itself
@@ -99,40 +98,149 @@ class PrefetchIterator(Iterator[T], Generic[T]):
         self._recorder = recorder  # the DataLoader iterator's index sampler, for _reset
         self._length: int | None = None
         self._batches = length  # the source's len() when the source itself has none
-        self._own_last = own_last  # the loop makes the epoch's last batch (see ends_with_last)
+        self._own_calls = own_calls  # the epoch's last calls the loop makes itself
         self._start(epoch)
 
     def _start(self, epoch: Epoch) -> None:
-        assert self._source is not None  # started only with a source
+        source = self._source
+        assert source is not None  # started only with a source
         self.epoch = epoch
+        stats = self._stats = epoch.stats
         # DataLoader's multiprocessing iterator, used by nobody else, may be abandoned by a
         # thread stuck in it once the stage is left (see prefetchx._engine.Reaper).
-        reapable = not self._keep_source and isinstance(
-            self._source, _MultiProcessingDataLoaderIter
-        )
-        feed = self._feed if self._feed is not None else self._source
-        # The thread asks for at most len() batches: the call that ends the epoch, and what the
-        # source does then (a sampler's last draw from the loader's generator, a loader that
-        # advances its own epoch), is the loop's own, made only if the loop makes it.
-        length = self._batches if self._batches is not None else length_of(self._source)
+        reapable = not self._keep_source and isinstance(source, _MultiProcessingDataLoaderIter)
+        length = self._batches if self._batches is not None else length_of(source)
         if length is not None and epoch.position is not None:
             length = max(0, length - epoch.position.skipped)  # a resumed sampler skips these
-        if length is not None and self._own_last:
-            length = max(0, length - 1)
-        stage = self._pipeline.build(feed, epoch.stats, reapable=reapable, limit=length)
-        epoch.tally = stage.tally
-        self._stage: Stage = stage
-        self._connect(stage)
-
-    def _connect(self, stage: Stage) -> None:
-        """Hand out the outcomes of ``stage``, the epoch's: here by ``next()`` on it (below),
-        which times every batch; a batch from DataLoader's workers costs far more than that."""
+        self._epoch_length = length
+        # The thread asks for at most this many batches: the calls that end the epoch, and what
+        # the source does then (a sampler's last draw from the loader's generator, a loader that
+        # advances its own epoch), are the loop's own, made only if the loop makes them.
+        limit = None if length is None else max(0, length - self._own_calls)
+        feed = self._feed if self._feed is not None else source
+        thread, stage = self._pipeline.build(
+            feed, stats, reapable=reapable, limit=limit, source_name=describe(source)
+        )
+        self._thread = thread
+        self._stage = stage
+        self._take = stage.take
+        decision = self._decision = self._pipeline.decision if thread.max_prefetch else None
+        if decision is not None:
+            thread.switch(decision.wanted)
+            stats.parked_because = "" if decision.threaded else decision.note
+        # The meter: each outcome's wait and the step before it; a window of the loop's pace
+        # every WINDOW outcomes, the first starting after the first outcome (its wait holds the
+        # epoch's start). `_beside` says whether the thread ran during the step now running.
+        self._add_wait = stats.wait.add
+        self._add_step = stats.step.add
+        self._add_threaded_step = stats.step_threaded.add
+        self._returned: float | None = None
+        self._beside = False
+        self._countdown = 1
+        self._window_start: float | None = None
+        self._generation = -1
+        self._produced = 0
+        self._held: tuple[Any] | None = None
 
     def __iter__(self) -> PrefetchIterator[T]:
         return self
 
     def __next__(self) -> T:
-        return next(self._stage)  # type: ignore[no-any-return]  # an item of the source
+        asked = perf_counter()
+        returned = self._returned
+        if returned is not None:
+            self._add_step(asked - returned)
+            if self._beside:
+                self._add_threaded_step(asked - returned)
+        if self._held is not None:  # taken before an interrupt (see below): hand it over now
+            value, self._held = self._held[0], None
+        else:
+            value = self._next_outcome(asked)
+        now = self._returned = perf_counter()
+        self._add_wait(now - asked)  # counts the outcome: last, right before it is handed over
+        if value.__class__ is Failure:
+            self._stats.add_errors(1)
+            del self  # the traceback keeps this frame: it must not keep the iterator alive
+            value.reraise()
+        return value  # type: ignore[no-any-return]  # an item of the source
+
+    def _next_outcome(self, asked: float) -> Any:
+        thread = self._thread
+        generation = thread.generation
+        try:
+            value = self._take()
+        except StopIteration:
+            self._finish()
+            raise
+        # Taken from the thread's queue where it ran before and after, with no switch between;
+        # then it also runs beside the step that follows.
+        if thread.threaded:
+            self._beside = True
+            if thread.generation == generation:
+                self._stats.from_thread += 1
+        else:
+            self._beside = False
+        self._countdown -= 1
+        if not self._countdown:
+            try:
+                self._mark(perf_counter(), asked)
+            except BaseException:
+                # An interrupt (Ctrl-C) while the meter decides: raised now, as any, and the
+                # outcome already taken comes with the next next(), as after an interrupted wait.
+                self._held = (value,)
+                raise
+        return value
+
+    def _mark(self, now: float, asked: float) -> None:
+        """The end of a stretch of the meter: hand a measured window to the decision, switch
+        the thread stage to what it wants, and begin the next stretch."""
+        stats, thread, decision = self._stats, self._thread, self._decision
+        start, self._window_start = self._window_start, now
+        if start is None and self._generation < 0:
+            stats.warmup_s = now - asked
+        elif (
+            start is not None
+            and decision is not None
+            and thread.generation == self._generation
+            and not thread.switching
+        ):
+            produced = stats.produce.recorded - self._produced
+            made = stats.produce.last(produced) if produced > 0 else []
+            steps = stats.step.last(WINDOW)
+            window = Window(
+                threaded=thread.threaded,
+                period=(now - start) / WINDOW,
+                step=sum(steps) / len(steps) if steps else math.nan,
+                produce=sum(made) / len(made) if made else math.nan,
+                remaining=self._left(),
+            )
+            wanted = decision.window(window)
+            if wanted != thread.threaded:
+                thread.switch(wanted)
+            stats.parked_because = "" if decision.threaded else decision.note
+        if decision is not None and (thread.switching or thread.generation != self._generation):
+            # A switch under way, or just made: let the thread hand over what it made, or fill
+            # its queue, before the next window is measured.
+            self._window_start = None
+            self._countdown = thread.max_prefetch + 1
+        else:
+            self._countdown = WINDOW
+        self._generation = thread.generation
+        self._produced = stats.produce.recorded
+        if len(stats.wait.pending) >= FOLD_EVERY:
+            stats.fold()
+
+    def _left(self) -> int | None:
+        """Batches left in the epoch, where it has a length."""
+        length = self._epoch_length
+        return None if length is None else max(0, length - self._stats.wait.recorded)
+
+    def _finish(self) -> None:
+        """``next()`` found no more outcomes: the source ended, or the iterator was closed."""
+        if self._thread.ended:
+            self.epoch.tally.ended = True
+        if self._decision is not None:
+            self._decision.epoch_ended()
 
     def __len__(self) -> int:
         source = self._source
@@ -150,13 +258,12 @@ class PrefetchIterator(Iterator[T], Generic[T]):
     @property
     def producer_alive(self) -> bool:
         """Whether the epoch's background thread is still running."""
-        return self._stage.producer_alive
+        return self._thread.producer_alive
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         """DataLoader's hook for persistent workers: the next epoch over the same iterator."""
-        stage = self._stage
-        stage.close()
-        if stage.producer_alive:
+        self._stage.close()
+        if self._thread.producer_alive:
             # Resetting the iterator under a thread that still calls next() on it would mix two
             # epochs' batches; refuse, and refuse again at the next iter() until it has left.
             raise RuntimeError(
@@ -240,65 +347,41 @@ class PrefetchIterator(Iterator[T], Generic[T]):
         # As DataLoader's own iterators: an iterator with a thread and workers cannot be pickled.
         raise NotImplementedError("{} cannot be pickled", type(self).__name__)
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        # Not `itertools.chain`'s (a `_Chained`), which would copy the iterator's parts.
-        return self.__getstate__()
 
+def loop_calls(loader: Any) -> int:
+    """How many of an epoch's last calls of a DataLoader's iterator the loop makes itself,
+    so that the thread never makes the call in which the sampler reaches its end.
 
-class _Parts:
-    """Where a `_Chained` iterator takes its parts from: its stage's, once it has one."""
-
-    __slots__ = ("stage_parts",)
-
-    def __init__(self) -> None:
-        self.stage_parts: Iterator[Iterator[Any]] | None = None
-
-    def __iter__(self) -> _Parts:
-        return self
-
-    def __next__(self) -> Iterator[Any]:
-        parts = self.stage_parts
-        if parts is None:
-            raise StopIteration
-        return next(parts)
-
-
-class _Chained(itertools.chain, PrefetchIterator[T]):  # type: ignore[type-arg]  # chain's own
-    """A `PrefetchIterator` whose ``next()`` is `itertools.chain`'s, over its stage's parts
-    (`ThreadStage.parts`): the stage itself, which times each batch, and the counted windows
-    of a loop too fast to time each batch, which run no Python of prefetchx's between the loop
-    and the source. Even a C-level hop a batch from the iterator to a chain it held cost the
-    no-work loop about 0.4 us of 38 (1%, on the 2-core VM with ``benchmarks/no_work.py``).
-
-    A window lets go of the source once it is run through, and `close` runs it through (see
-    `ThreadStage._open`), so a close releases the source at once, also inside a window, and
-    also while a loop keeps the iterator's ``__next__``. DataLoader never resets one: it
-    resets only its worker processes' iterators.
+    There a shuffling sampler draws from the loader's ``generator`` once more (torch's
+    `RandomSampler` draws a whole permutation), and a thread that made that call for a loop
+    that then left the epoch early would change every later epoch, or race with the caller
+    reseeding the generator. DataLoader asks its index sampler for one index batch per call;
+    with workers it asks for ``prefetch_factor * num_workers`` more when the iterator is made
+    (the workers' index queues), so draw ``d`` comes in call ``d - lead``, or at ``iter()``. The
+    sampler ends at the draw after the last index batch, or, where the last batch may be
+    short and kept (`ends_with_last`), at the last one. ``0`` where there is no sampler to end
+    (an IterableDataset) or its end comes at ``iter()``.
     """
-
-    _parts: _Parts
-
-    def _connect(self, stage: Stage) -> None:
-        if self._parts.stage_parts is not None:
-            raise RuntimeError("prefetchx: this iterator cannot be reset")
-        self._parts.stage_parts = stage.parts()
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return 0
+    try:
+        batches = len(loader)
+    except TypeError:
+        return 0
+    lead = loader.num_workers * (loader.prefetch_factor or 0) if loader.num_workers > 0 else 0
+    end_draw = batches + 1 - (1 if ends_with_last(loader) else 0)
+    if end_draw <= lead:
+        return 0  # drawn while the iterator was made, in the caller's thread
+    return batches - (end_draw - lead - 1)
 
 
 def ends_with_last(loader: Any) -> bool:
-    """Whether making a DataLoader's last batch may run its sampler to its end, where a
-    shuffling sampler draws from the loader's ``generator`` once more (torch's `RandomSampler`).
-
-    So it is where a batch sampler fills its last batch only when its sampler has ended: torch's
-    `BatchSampler` whose last batch is short and kept, and any other batch sampler, which may.
-    The loop then makes the last batch itself, so that an epoch it leaves early never makes
-    that draw, as with DataLoader. Not with workers: DataLoader asks its sampler for indices
-    ahead of the loop there itself, and no thread can keep that exact.
-    """
-    if not isinstance(loader, DataLoader) or loader.num_workers > 0:
-        return False
+    """Whether making a DataLoader's last batch may run its sampler to its end: torch's
+    `BatchSampler` whose last batch is short and kept, and any other batch sampler, which may
+    fill its last batch only when its sampler has ended."""
     batches = loader.batch_sampler
-    if batches is None or isinstance(loader.dataset, IterableDataset):
-        return False  # an index a batch, or none: the end comes with the call after the last
+    if batches is None:
+        return False  # an index a batch: the end comes with the draw after the last
     if type(batches) is not BatchSampler:
         return True
     if batches.drop_last:

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from prefetchx import _engine
-from prefetchx._iterator import Epoch, PrefetchIterator, ends_with_last
+from prefetchx._iterator import Epoch, PrefetchIterator, loop_calls
 from prefetchx._pipeline import Pipeline
 from prefetchx._producer import settle
 from prefetchx._resume import (
@@ -186,7 +186,6 @@ class DataLoaderX(DataLoader[T_co]):
         if self.num_workers > 0:
             # Workers fork: let threads of abandoned iterators finish first (see settle).
             settle(_engine.JOIN_TIMEOUT)
-        self._pipeline.fed_by(self.num_workers)
         recorder = self._new_recorder()
         epoch, building = self._begin_epoch(recorder, draws_base_seed=True)
         snapshots = self._dataset_snapshots()  # before DataLoader calls iter(dataset)
@@ -202,7 +201,7 @@ class DataLoaderX(DataLoader[T_co]):
             keep_source=self._keeps_iterator(),
             recorder=recorder,
             feed=feed,
-            own_last=ends_with_last(self),
+            own_calls=loop_calls(self),
         )
         self._live.add(iterator)
         return iterator

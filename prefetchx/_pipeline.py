@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from prefetchx._adapt import Memory, settle_for
 from prefetchx._batch import map_input, map_tensors
 from prefetchx._checks import check_bool, check_input_key, check_int
+from prefetchx._choose import Decision
 from prefetchx._device import Copies, CudaStreams, check_device, with_index
 from prefetchx._device_stage import DeviceStage
 from prefetchx._normalize import Normalize
@@ -18,6 +18,7 @@ from prefetchx._stats import EpochStats
 from prefetchx._thread_stage import ThreadStage
 
 Stage = ThreadStage[Any] | DeviceStage
+"""The stage that faces the loop: its ``take()`` gives the next outcome."""
 
 _RESOLVING = threading.Lock()
 
@@ -55,27 +56,8 @@ class Pipeline:
         """Pin host leaves in the thread stage before their copy to a CUDA device (see
         `_pin`); a loader given ``pin_memory=False`` turns it off."""
         self._streams: CudaStreams | None = None
-        self.memory = Memory()
-        """Which of the thread and the caller made batches faster, as the epochs found."""
-        self.steal = True
-        """Whether the loop makes a batch itself when the thread has none ready and is not
-        making one (`ThreadStage`'s ``steal``); not where worker processes make the batches
-        (see `fed_by`)."""
-
-    def fed_by(self, workers: int) -> None:
-        """The loader's batches come from ``workers`` DataLoader worker processes (0: from the
-        loop's own process): how long a switch of the thread stage's mode takes to show in the
-        loop's pace follows from it and the CPUs (`prefetchx._adapt.settle_for`).
-
-        With workers, a call of the DataLoader iterator mostly waits for a worker's batch, and
-        hiding that wait is what the thread is for: a loop that made the batch itself whenever
-        the thread was between two calls would wait there instead, and back the thread off for
-        2 to 64 batches (`prefetchx._producer.MAX_PATIENCE`). So the thread makes every batch
-        while it runs. In three of the grid's loops with 2 workers, over 100 paired rounds, the
-        thread kept on ran 2.2% to 4.1% faster so, level with the recipe
-        (``benchmarks/steal.py``)."""
-        self.memory.settle_s = settle_for(workers)
-        self.steal = workers == 0
+        self.decision = Decision()
+        """Whether the thread runs, from the loop's pace as the loader's epochs measured it."""
 
     @property
     def target(self) -> torch.device:
@@ -94,40 +76,42 @@ class Pipeline:
         *,
         reapable: bool = False,
         limit: int | None = None,
-    ) -> Stage:
+        source_name: str | None = None,
+    ) -> tuple[ThreadStage[Any], Stage]:
         """The stages over ``source``: a thread, then the device if there is one.
 
-        ``reapable`` and ``limit``: see `ThreadStage`.
+        Returns the thread stage, which `switch`es between its thread and the caller, and the
+        stage that faces the loop (the same on the CPU). ``reapable``, ``limit`` and
+        ``source_name``: see `ThreadStage`.
         """
         if self.target.type == "cpu":
             if self.normalize.active:  # with the batch: in the thread while it runs
                 source = map(self._normalize_input, source)
-            return ThreadStage(
+            thread = ThreadStage(
                 source,
                 self.max_prefetch,
-                steal=self.steal,
-                stats=stats,
                 reapable=reapable,
                 limit=limit,
-                _memory=self.memory,
+                produced=stats.produce.add,
+                source_name=source_name,
             )
+            return thread, thread
         streams = self._side_streams()
         if streams is not None and self.pin_host:
             source = map(self._pin, source)  # with the batch, as normalization on the CPU
-        # The thread runs while it makes the loop faster, as on the CPU. While it runs, it makes
-        # and pins every batch (the caller waits for it); while it is parked, the caller makes
-        # the batches the device stage copies ahead, as the prefetchers of apex and timm do.
+        # While the thread runs, it makes and pins every batch (the caller waits for it); while
+        # it is parked, the caller makes the batches the device stage copies ahead, as the
+        # prefetchers of apex and timm do.
         thread = ThreadStage(
             source,
             self.max_prefetch,
             device=self.target,
-            steal=False,
-            stats=stats,
             reapable=reapable,
             limit=limit,
-            _memory=self.memory,
+            produced=stats.produce.add,
+            source_name=source_name,
         )
-        return DeviceStage(
+        device = DeviceStage(
             thread,
             self.target,
             copies=streams if streams is not None else Copies(self.target),
@@ -136,7 +120,9 @@ class Pipeline:
             input_key=self.input_key,
             device_prefetch=self.device_prefetch,
             non_blocking=self.non_blocking,
+            stats=stats,
         )
+        return thread, device
 
     def _normalize_input(self, batch: Any) -> Any:
         return map_input(batch, self.input_key, self.normalize)
@@ -172,4 +158,4 @@ class Pipeline:
     def __getstate__(self) -> dict[str, Any]:
         # A copied or pickled loader (in another process, say) takes its own current device and
         # makes its own side stream when it first needs them, and measures its own pace.
-        return {**self.__dict__, "_target": None, "_streams": None, "memory": Memory()}
+        return {**self.__dict__, "_target": None, "_streams": None, "decision": Decision()}

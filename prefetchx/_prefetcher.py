@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from prefetchx import _engine
-from prefetchx._iterator import Epoch, PrefetchIterator, ends_with_last, length_of
+from prefetchx._iterator import Epoch, PrefetchIterator, length_of, loop_calls
 from prefetchx._loader import (
     ACCELERATE_SKIP_DROPS_STAGES,
     PREFETCH_DEFAULTS,
@@ -122,15 +122,13 @@ class Prefetcher(Generic[T]):
                         "DataLoader iterator, which persistent workers share between epochs; "
                         "the next epoch cannot start safely. Is the dataset blocked?"
                     )
-        workers = self.iterable.num_workers if isinstance(self.iterable, DataLoader) else 0
-        self._pipeline.fed_by(workers)
         epoch = Epoch()
         iterator: PrefetchIterator[T] = PrefetchIterator(
             iter(self.iterable),
             self._pipeline,
             epoch,
             length=length_of(self.iterable),
-            own_last=ends_with_last(self.iterable),
+            own_calls=loop_calls(self.iterable),
         )
         self._latest = epoch
         self._live.add(iterator)

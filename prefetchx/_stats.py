@@ -107,12 +107,11 @@ class Series:
 
 
 class Tally:
-    """What a stage has handed to the loop: outcomes (batches and errors), and the natural end.
+    """What the loop has received of an epoch: outcomes (batches and errors), and its end.
 
-    Kept apart from the stage so the loader can still read it after the loop drops the stage's
-    iterator (which stops the thread): it is how far the loop got, whatever ran ahead. The stage
-    that faces the loop records one wait sample per outcome it hands over, so the tally reads
-    that ``series`` and the hot path pays nothing more.
+    Kept apart from the iterator so that the loader can still read it after the loop drops the
+    iterator (an early ``break``): it is how far the loop got, whatever ran ahead. The iterator
+    records one wait sample per outcome it hands over, so the tally reads that ``series``.
     """
 
     __slots__ = ("_series", "ended")
@@ -124,7 +123,7 @@ class Tally:
     @property
     def count(self) -> int:
         """Outcomes handed over so far: batches, and errors raised in their place."""
-        return self._series.count
+        return self._series.recorded
 
 
 class EpochStats:
@@ -134,14 +133,12 @@ class EpochStats:
       it (the stall). The first one is also kept as ``warmup_s``: it includes starting the epoch
       (worker processes, the first batch) and is left out of the verdict.
     * ``step``: time between getting a batch and asking for the next (the training step).
-    * ``produce``: time the thread spent making each batch; a batch the loop made itself (the
-      first of the epoch, one made while the thread was parked, or one the thread had not
-      started when the loop asked for it) counts in ``wait`` only. It is wall time, so it
-      includes the thread's waits for the GIL.
-    * ``occupancy``: batches waiting in the queue when the loop asked the thread for one.
-    * ``step_threaded``: the steps the thread ran beside (those before a batch taken from its
-      queue); the other steps ran with the thread parked or absent. Their means compared are
-      what the thread costs the step, the GIL and the cores it takes (`thread_step_cost`).
+    * ``produce``: time the thread spent making each batch it made; it is wall time, so it
+      includes the thread's waits for the GIL. Batches the loop made itself (the first of the
+      epoch, and every batch while the thread was parked) count in ``wait`` only.
+    * ``step_threaded``: the steps the thread ran beside; the other steps ran with it parked or
+      absent. Their means compared are what the thread costs the step, the GIL and the cores
+      it takes (`thread_step_cost`).
     * ``gpu_idle``: with a CUDA device stage, the time the caller's stream sat idle waiting for
       each batch, measured on the GPU with events (the first batch's in ``gpu_warmup_s``). The
       loop may wait in ``next()`` while the GPU is still busy with the steps it queued; this is
@@ -150,6 +147,7 @@ class EpochStats:
 
     Each of these series has ``total``, ``count``, ``mean`` and ``percentile(q)`` (0-100, over
     the most recent 4096 samples); durations are in seconds, ``nan`` before any sample.
+    ``parked_because`` says why the loop ran without the thread, where it did.
 
     Examples:
         >>> from prefetchx import DataLoaderX
@@ -163,70 +161,48 @@ class EpochStats:
         self.wait = Series()
         self.step = Series()
         self.produce = Series()
-        self.occupancy = Series()
-        self._errors = 0
+        self.step_threaded = Series()
+        self.gpu_idle = Series()
         self.warmup_s = math.nan
         """The loop's wait for the epoch's first batch or error; ``nan`` before it."""
-        self.gpu_idle = Series()
         self.gpu_warmup_s = math.nan
         """The caller's stream's idle time before the epoch's first batch; ``nan`` without
         a CUDA device stage or before its events complete."""
-        self.step_threaded = Series()
-        self._steps_filed = 0
-        self._add_occupancy = self.occupancy.add
-        # The stages sample the occupancy once per outcome taken from the thread's queue, and
-        # only then, just after recording the step before it: the sample marks that step as
-        # one the thread ran beside. Hooked here, it costs nothing to batches made inline.
-        self.occupancy.add = self._taken_from_thread
-
-    def _taken_from_thread(self, waiting: float) -> None:
-        self._add_occupancy(waiting)
-        step = self.step
-        # Steps recorded so far; exact in the loop's thread, which alone appends and folds
-        # them (a fold from another thread could file one step wrongly, once).
-        recorded = step.recorded
-        if recorded != self._steps_filed and step.pending:
-            self._steps_filed = recorded  # a device stage may take several batches per step
-            self.step_threaded.add(step.pending[-1])
+        self.from_thread = 0
+        """Batches and errors taken from the thread's queue; the others the loop made itself."""
+        self.parked_because = ""
+        """Why the loop ran without the thread, as the probe that chose it measured; "" where it
+        ran with the thread (or has none: ``max_prefetch=0``)."""
+        self._errors = 0
 
     def fold(self) -> None:
         """Bring every total up to date now; reading one does it by itself."""
-        for series in (
-            self.wait,
-            self.step,
-            self.produce,
-            self.occupancy,
-            self.gpu_idle,
-            self.step_threaded,
-        ):
+        for series in (self.wait, self.step, self.produce, self.gpu_idle, self.step_threaded):
             series.fold()
 
     @property
     def errors(self) -> int:
         """Errors raised to the loop in place of a batch."""
-        refresh = self.wait.refresh  # a stage that counts batches files them when read
-        if refresh is not None:
-            refresh()
         return self._errors
 
     def add_errors(self, errors: int) -> None:
-        """Count ``errors`` more errors raised to the loop (fewer where negative)."""
+        """Count ``errors`` more errors raised to the loop."""
         self._errors += errors
 
     @property
     def batches(self) -> int:
         """Batches handed to the loop."""
-        return self.wait.count - self.errors
+        return self.wait.recorded - self._errors
 
     @property
     def inline_batches(self) -> int:
         """Batches and errors the loop made itself, not taken from the thread's queue."""
-        # The occupancy is sampled once per outcome taken from the thread, and only then.
-        return max(0, self.wait.count - self.occupancy.count)
+        return max(0, self.wait.recorded - self.from_thread)
 
     @property
     def input_bound_fraction(self) -> float:
-        """Share of the loop's time spent waiting for data, the warm-up left out."""
+        """Share of the loop's time spent waiting for data, the warm-up left out; ``nan``
+        before a second batch."""
         waited = self.wait.total
         if self.wait.count:
             waited -= self.warmup_s
@@ -249,15 +225,11 @@ class EpochStats:
         return min(1.0, idle / busy) if busy > 0 else math.nan
 
     def _inline_steps(self) -> tuple[float, int]:
-        """Total and count of the steps with the thread parked or absent.
-
-        The step after the epoch's last batch is left out: the thread was ending beside it.
-        """
-        total, count = self.step.total, self.step.count
-        if count and count >= self.wait.count:  # the loop asked past its last batch
-            total -= self.step.last(1)[0]
-            count -= 1
-        return total - self.step_threaded.total, count - self.step_threaded.count
+        """Total and count of the steps with the thread parked or absent."""
+        return (
+            self.step.total - self.step_threaded.total,
+            self.step.count - self.step_threaded.count,
+        )
 
     @property
     def step_inline_mean(self) -> float:
@@ -282,26 +254,27 @@ class EpochStats:
         return threaded.mean / (total / count) - 1
 
     def _thread_clause(self) -> str:
-        """What the verdict adds about the thread's cost to the step, if the thread ran."""
+        """What the verdict adds about the thread: why it was parked, or what it costs the
+        step where that was measured."""
+        if self.parked_because:
+            share = self.inline_batches / max(1, self.wait.count)
+            return f"; ran without the thread for {share:.0%} of the batches: {self.parked_because}"
         if not self.step_threaded.count:
             return ""  # no step ran beside the thread: it cost the step nothing
         cost = self.thread_step_cost
         if math.isnan(cost):
-            return (
-                "; the step was not timed without the thread, which may slow it (the GIL and "
-                "the cores it takes): compare with max_prefetch=0"
-            )
+            return ""  # not measured: the step was not timed without the thread often enough
         means = (
             f"{_duration(self.step_threaded.mean)} a step with it running, "
             f"{_duration(self.step_inline_mean)} without"
         )
         if cost > THREAD_SLOWS_ABOVE:
-            return f"; but the thread slows the step by {cost:.0%} ({means}): try max_prefetch=0"
+            return f"; the thread slows the step by {cost:.0%} ({means})"
         return f"; the thread does not slow the step ({means})"
 
     def verdict(self) -> str:
-        """One line that says whether data loading holds the loop back, and whether the
-        thread slows the step (see `thread_step_cost`).
+        """One line that says whether data loading holds the loop back, whether the loop ran
+        without the thread and why, and whether the thread slows the step.
 
         With GPU samples, it goes by the GPU's idle time rather than the loop's waits: a loop
         that runs ahead of the GPU may wait in ``next()`` while the GPU is still busy.
@@ -322,7 +295,10 @@ class EpochStats:
             return f"compute-bound: the GPU waited for data {gpu:.1%} of the time"
         fraction = self.input_bound_fraction
         if math.isnan(fraction):
-            return f"warming up: the first batch took {self.warmup_s * 1e3:.1f} ms"
+            return (
+                f"not measured yet: one batch, which took {_duration(self.warmup_s)} with the "
+                "start of the epoch"
+            )
         if fraction > INPUT_BOUND_FRACTION:
             return (
                 f"input-bound {fraction:.0%} of the time: more workers, a deeper "
@@ -331,7 +307,8 @@ class EpochStats:
         return f"compute-bound: data loading is hidden ({fraction:.1%} of the time waiting)"
 
     def as_dict(self) -> dict[str, Any]:
-        """Flat numbers for TensorBoard, W&B or JSON; durations in seconds."""
+        """Flat numbers for TensorBoard, W&B or JSON; durations in seconds, ``nan`` for a figure
+        not measured yet."""
         out: dict[str, Any] = {
             "batches": self.batches,
             "errors": self.errors,
@@ -347,7 +324,6 @@ class EpochStats:
         out["step_threaded_mean_s"] = self.step_threaded.mean
         out["step_inline_mean_s"] = self.step_inline_mean
         out["thread_step_cost"] = self.thread_step_cost
-        out["queue_occupancy_mean"] = self.occupancy.mean
         out["input_bound_fraction"] = self.input_bound_fraction
         out["gpu_idle_total_s"] = self.gpu_idle.total
         out["gpu_idle_mean_s"] = self.gpu_idle.mean
@@ -357,20 +333,25 @@ class EpochStats:
         return out
 
     def __str__(self) -> str:
-        ms = 1e3
         errors = f" and {self.errors} errors" if self.errors else ""
+        if not self.wait.count:
+            return self.verdict()
         gpu = ""
         if self.gpu_idle.count:
             gpu = (
                 f"GPU idle for data {self.gpu_idle.total:.3f} s (mean "
-                f"{self.gpu_idle.mean * ms:.2f} ms, p95 {self.gpu_idle.percentile(95) * ms:.2f} "
-                "ms). "
+                f"{_duration(self.gpu_idle.mean)}, p95 {_duration(self.gpu_idle.percentile(95))}"
+                "). "
             )
+        made = (
+            f"; the thread made {self.from_thread} of them, mean {_duration(self.produce.mean)}"
+            if self.produce.count
+            else "; the loop made them all itself"
+        )
+        steps = f"step mean {_duration(self.step.mean)}" if self.step.count else "no step yet"
         return (
-            f"{self.batches} batches{errors}; first batch after {self.warmup_s * ms:.2f} ms; "
-            f"waited {self.wait.total:.3f} s in all (mean {self.wait.mean * ms:.2f} ms, p50 "
-            f"{self.wait.percentile(50) * ms:.2f} ms, p95 {self.wait.percentile(95) * ms:.2f} "
-            f"ms); step mean {self.step.mean * ms:.2f} ms; produce mean "
-            f"{self.produce.mean * ms:.2f} ms; queue {self.occupancy.mean:.1f} batches on "
-            f"average. {gpu}{self.verdict()}"
+            f"{self.batches} batches{errors}; first after {_duration(self.warmup_s)}; waited "
+            f"{self.wait.total:.3f} s in all (mean {_duration(self.wait.mean)}, p50 "
+            f"{_duration(self.wait.percentile(50))}, p95 {_duration(self.wait.percentile(95))}); "
+            f"{steps}{made}. {gpu}{self.verdict()}"
         )

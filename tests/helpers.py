@@ -18,9 +18,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
-from prefetchx._adapt import WINDOW, Chooser
+from prefetchx._choose import Decision, Window
 from prefetchx._device_stage import DeviceStage
-from prefetchx._engine import Channel
+from prefetchx._producer import Producer
 
 T = TypeVar("T")
 
@@ -227,20 +227,19 @@ def forget_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
 
 class ThreadGate:
     """Holds every producer thread before each call of its source it would make, until opened
-    (`Channel.room` replaced): meanwhile a thread stage's caller makes the items itself, or
-    waits for them (``steal=False``)."""
+    (`Producer._call` wrapped): meanwhile a thread stage's caller waits for the items."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.open = threading.Event()
-        room = Channel.room
+        call = Producer._call
 
-        def held(channel: Channel, stop: threading.Event) -> bool:
+        def held(producer: Producer, warned: list[Any]) -> Any:
             while not self.open.wait(0.01):
-                if stop.is_set():
-                    return False
-            return room(channel, stop)
+                if producer.stop_event.is_set():
+                    break
+            return call(producer, warned)
 
-        monkeypatch.setattr(Channel, "room", held)
+        monkeypatch.setattr(Producer, "_call", held)
 
 
 def new_children(before: set[int]) -> list[psutil.Process]:
@@ -284,9 +283,9 @@ def run_python(
 
 
 ALWAYS_THREADED = (
-    "import prefetchx._thread_stage as _stage\n"
+    "import prefetchx._pipeline as _pipeline\n"
     "from tests.helpers import AlwaysThreaded as _AlwaysThreaded\n"
-    "_stage.Chooser = _AlwaysThreaded\n"
+    "_pipeline.Decision = _AlwaysThreaded\n"
 )
 """Python source for a child process: its thread stages run their thread from the second item
 on, as conftest's ``thread_mode`` makes them in the test process."""
@@ -417,31 +416,34 @@ def _torchrun_once(args: tuple[str, ...], nproc: int, env: dict[str, str]) -> _R
     return _Run(returncode, out, err, pauses.longest)
 
 
-class AlwaysThreaded(Chooser):
-    """A chooser that keeps the thread from the second item on: what most tests run, so that
+class AlwaysThreaded(Decision):
+    """A decision that keeps the thread on from the second item: what most tests run, so that
     they exercise the thread whatever their loop's pace (see conftest's ``thread_mode``)."""
 
-    def start(self) -> tuple[bool, int]:
-        self.threaded = True
-        return True, WINDOW
-
-    def window(
-        self, period: float, means: Callable[[], tuple[float, float]], ending: bool = False
-    ) -> tuple[bool, int]:
-        return True, WINDOW
+    def window(self, window: Window) -> bool:
+        return True
 
 
-class Switching(Chooser):
-    """A chooser that switches between the thread and the caller every other item: the
-    hand-over, in both directions, as often as it can happen."""
+class AlwaysAlone(Decision):
+    """A decision that never runs the thread: the loop makes every batch itself."""
 
-    def start(self) -> tuple[bool, int]:
-        self.threaded = True
-        return True, 2
+    def __init__(self) -> None:
+        super().__init__()
+        self.threaded = False
 
-    def window(
-        self, period: float, means: Callable[[], tuple[float, float]], ending: bool = False
-    ) -> tuple[bool, int]:
-        self.threaded = not self.threaded
+    def window(self, window: Window) -> bool:
+        return False
+
+
+class Switching(Decision):
+    """A decision that switches between the thread and the caller at every window it is given,
+    with windows of one item (conftest's ``both_modes`` shortens them): the hand-over, in both
+    directions, about as often as it can happen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.switches = 0
+
+    def window(self, window: Window) -> bool:
         self.switches += 1
-        return self.threaded, 2
+        return not window.threaded

@@ -35,12 +35,10 @@ from torch.utils.data import (
 from prefetchx import DataLoaderX
 from tests.helpers import (
     REPO,
-    AlwaysThreaded,
     FailingSampler,
     Squares,
     Stream,
     Switching,
-    ThreadGate,
     as_lists,
     both,
     outcomes,
@@ -578,10 +576,9 @@ def test_dropping_an_iterator_shuts_its_workers_down_before_del_returns(persiste
         next(it)
         next(it)
         if cls is DataLoaderX:
-            producer = it._stage._producer  # type: ignore[attr-defined]
-            # Waiting for room, not inside the source. Not `full()`: a producer that waits goes
-            # on only once the channel is empty (at depth 2), so it may wait with one batch left.
-            assert wait_until(lambda p=producer: p.queue.producer_waits and not p.in_source)
+            producer = it._thread._producer  # type: ignore[attr-defined]
+            # Waiting for room with a batch in hand, not inside the source.
+            assert wait_until(lambda p=producer: p.queue.full() and not p.in_source)
         del it
         alive[cls.__name__] = [w.is_alive() for w in workers]
     assert alive["DataLoaderX"] == alive["DataLoader"] == [False, False]
@@ -951,45 +948,13 @@ def test_timm_turns_mixup_off_through_the_loader() -> None:
     assert plain.mixup_enabled is False
 
 
-def test_batches_the_loop_makes_for_a_late_thread_are_dataloaders(
+def test_switching_between_thread_and_loop_at_every_window_keeps_dataloaders_epoch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The thread held for the first 8 batches of each epoch, then let go: the loop makes what
-    # the thread has not started, the thread what it gets to, in turns; the batches, their
-    # order and the draws from the loader's generator (one per epoch, and the sampler's at its
-    # end) stay DataLoader's.
-    monkeypatch.setattr("prefetchx._thread_stage.Chooser", AlwaysThreaded)
-    gate = ThreadGate(monkeypatch)
-    got: dict[str, Any] = {}
-    for cls in (DataLoader, DataLoaderX):
-        generator = torch.Generator().manual_seed(5)
-        loader = cls(Squares(64), batch_size=2, shuffle=True, generator=generator)
-        batches = []
-        for _ in range(2):  # epochs
-            gate.open.clear()
-            for i, batch in enumerate(loader):
-                batches.append(batch.tolist())
-                if i == 8:
-                    gate.open.set()
-        got[cls.__name__] = (batches, generator.get_state())
-        if cls is DataLoaderX:
-            assert loader.stats.inline_batches > 8  # type: ignore[attr-defined]
-    assert got["DataLoaderX"][0] == got["DataLoader"][0]
-    assert torch.equal(got["DataLoaderX"][1], got["DataLoader"][1])
-
-
-@pytest.mark.parametrize("thread_can_run", [True, False])
-def test_switching_between_thread_and_loop_every_other_batch_keeps_dataloaders_epoch(
-    thread_can_run: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The hand-over in both directions, as often as it can happen: the thread parks and answers,
-    # or (held, as a thread the loop keeps from the GIL) the loop takes the source back itself.
-    # The batches, the error in its place, the order and the draws from the loader's generator
-    # stay DataLoader's.
-    monkeypatch.setattr("prefetchx._thread_stage.Chooser", Switching)
-    gate = ThreadGate(monkeypatch)
-    if thread_can_run:
-        gate.open.set()
+    # The hand-over in both directions, about as often as it can happen. The batches, the
+    # error in its place, the order and the draws from the loader's generator stay DataLoader's.
+    monkeypatch.setattr("prefetchx._pipeline.Decision", Switching)
+    monkeypatch.setattr("prefetchx._iterator.WINDOW", 1)
     got: dict[str, Any] = {}
     for cls in (DataLoader, DataLoaderX):
         generator = torch.Generator().manual_seed(7)
@@ -999,35 +964,3 @@ def test_switching_between_thread_and_loop_every_other_batch_keeps_dataloaders_e
     assert got["DataLoaderX"][0] == got["DataLoader"][0]
     assert ("ValueError: boom at index 17", []) in got["DataLoader"][0][0]
     assert torch.equal(got["DataLoaderX"][1], got["DataLoader"][1])
-
-
-@pytest.mark.parametrize(("num_workers", "steal"), [(0, True), (2, False)])
-def test_over_worker_processes_the_loop_takes_no_call_from_the_running_thread(
-    num_workers: int, steal: bool
-) -> None:
-    # With workers, a call of DataLoader's iterator mostly waits for a worker's batch: the
-    # thread is there to hide that wait. A loop that made the batch itself whenever the thread
-    # was between two calls waited there instead, and ran 1% to 4% slower than the recipe in
-    # the grid's Python loops with 2 workers. Without workers it saves a wake-up, as before.
-    dataset = list(range(40))
-    loader = DataLoaderX(dataset, batch_size=4, num_workers=num_workers)
-    iterator = iter(loader)
-    assert iterator._stage._steal is steal
-    plain = DataLoader(dataset, batch_size=4, num_workers=num_workers)
-    assert [b.tolist() for b in iterator] == [b.tolist() for b in plain]
-
-
-@pytest.mark.parametrize(("num_workers", "slow"), [(0, False), (1, True)])
-def test_a_loader_whose_workers_take_every_cpu_settles_its_switches_slowly(
-    num_workers: int, slow: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # One CPU usable: 1 worker takes it, and a switch between the thread and the loop alone
-    # takes prefetchx._adapt.SLOW_SETTLE_S to show in the loop's pace; with no worker, a few
-    # batches. The same batches as DataLoader's either way.
-    from prefetchx import _adapt
-
-    monkeypatch.setattr(_adapt, "_usable_cpus", lambda: 1)
-    dataset = list(range(40))
-    loader = DataLoaderX(dataset, batch_size=4, num_workers=num_workers)
-    assert [b.tolist() for b in loader] == [b.tolist() for b in DataLoader(dataset, batch_size=4)]
-    assert loader._pipeline.memory.settle_s == (_adapt.SLOW_SETTLE_S if slow else 0.0)

@@ -18,7 +18,7 @@ from prefetchx._loader import _refuses_pinning
 from prefetchx._normalize import Normalize
 from prefetchx._pipeline import Pipeline
 from tests.fakecuda import FakeCuda
-from tests.helpers import ThreadGate, wait_until
+from tests.helpers import AlwaysAlone, ThreadGate, wait_until
 
 MEAN, STD = (10.0, 20.0, 30.0), (2.0, 4.0, 8.0)
 
@@ -319,13 +319,12 @@ def test_with_a_cuda_target_the_outcomes_are_dataloaders_while_the_thread_comes_
 
 
 @pytest.mark.adaptive
-def test_with_a_cuda_target_a_loop_with_no_step_makes_its_batches_itself(
+def test_with_a_cuda_target_and_the_thread_parked_the_loop_makes_its_batches_itself(
     fake_gpu: FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A thread would hide nothing, so it never starts: every batch is made and pinned in the
-    # loop's thread, as DataLoader makes them, and copied when asked. The stage's clock stands
-    # still (no step, no wait), so that a loaded machine's preemptions do not make a step.
-    monkeypatch.setattr("prefetchx._thread_stage.perf_counter", lambda: 0.0)
+    # Where the loop runs without the thread (a loop with no step), every batch is made and
+    # pinned in the loop's thread, as DataLoader makes them, and copied ahead.
+    monkeypatch.setattr("prefetchx._pipeline.Decision", AlwaysAlone)
     expected = _outcomes(DataLoader(Failing(60, fail_at=31), batch_size=2))
     loader = DataLoaderX(Failing(60, fail_at=31), batch_size=2, device="cpu")
     with fake_gpu:

@@ -192,21 +192,3 @@ def test_an_error_counts_as_one_of_len_batches() -> None:
     loader = DataLoader(Squares(10, fail_at=5), batch_size=2)
     batches = Prefetcher(loader, max_prefetch=4)
     assert outcomes(iter(batches)) == outcomes(iter(loader))
-
-
-@pytest.mark.parametrize(("num_workers", "slow"), [(0, False), (1, True)])
-def test_a_prefetcher_over_workers_that_take_every_cpu_settles_its_switches_slowly(
-    num_workers: int, slow: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from prefetchx import _adapt
-
-    monkeypatch.setattr(_adapt, "_usable_cpus", lambda: 1)
-    loader = DataLoader(Squares(12), batch_size=4, num_workers=num_workers)
-    prefetcher = Prefetcher(loader)
-    assert as_lists(prefetcher) == as_lists(loader)
-    assert prefetcher._pipeline.memory.settle_s == (_adapt.SLOW_SETTLE_S if slow else 0.0)
-    assert Prefetcher(range(3))._pipeline.memory.settle_s == 0.0  # not iterated: unset
-    # Over workers the running thread makes every batch (see Pipeline.fed_by).
-    iterator = iter(prefetcher)
-    assert iterator._stage._steal is (num_workers == 0)
-    iterator.close()

@@ -1,0 +1,171 @@
+"""Whether the thread runs: it does, unless the loop is measurably faster without it.
+
+A thread hides the time a batch takes to make behind the loop's step, and costs a hand-off per
+batch and the GIL and cores it shares with the step. Which wins depends on the data, the step,
+the machine and the moment. The costs are asymmetric (FIELD.md, pitfall 25): where the thread
+loses, batches are cheap (a loop with no step, microseconds of data), so running with it first
+costs little; where it wins, batches are dear, so running without it first would cost a
+millisecond or more a batch. So the thread runs from a loader's second batch, and the loop alone
+is tried (a *probe*) only where a probe is cheap next to the loop's time.
+
+The one figure that settles it is the loop's wall time per batch, ``next()`` and the step
+together, over windows of `WINDOW` batches. A probe runs the other mode for up to `PROBE` windows
+and holds their mean against the current mode's last `HISTORY` windows: it takes the other mode
+once that mean is below theirs by more than `Z` standard errors of the difference (the standard
+deviation of the current mode's windows standing for both), and ends, lost, as soon as the mean
+is no lower than theirs, or after `PROBE` windows. Where windows stray by 10% (normal), a mode
+5% slower than the current one is taken in about 3 probes of 100, one 10% slower in 1, and one
+30% faster in 99 (``tests/test_choose.py`` counts them); a mode as fast is taken in about 1 of
+10, which costs nothing, the two being alike. A machine busy with other work makes the windows
+stray, and the current mode stays.
+
+What a probe costs where it loses is bounded from the figures the current mode shows:
+
+* threaded, the loop alone is slower by at most ``min(step, produce)`` a batch: the thread can
+  hide no more than the shorter of the step and the making of a batch, and each of those only
+  grows with a thread beside it (the GIL, the cores), so the threaded figures bound them;
+* parked, the thread has no such bound; it is taken to cost at most the whole period a batch.
+
+Probes are paced by a ledger: all the probes of a loader together may cost at most `BUDGET` of
+the loop's time, counting the time the loop has run and the rest of the current epoch at its
+pace. So a long epoch of cheap batches probes at once, and a short one of dear batches, where a
+probe would cost a visible share of it, does not probe at all.
+
+`Decision` is the decision alone, fed one window at a time, with no clock and no thread, so that
+it can be tested on numbers. The loader keeps one for its life: each epoch starts in the mode the
+last one left.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+WINDOW = 8
+"""Batches in a measured window. A losing probe usually costs one window, and a loader's first
+probe waits for `HISTORY` windows: short windows make both cheap. The test (see the module)
+weighs the windows' own spread, so a longer window would only decide a smaller difference in
+fewer windows."""
+
+HISTORY = 6
+"""The current mode's last windows a probe is held against."""
+
+PROBE = 4
+"""Windows of the other mode a probe measures, at most."""
+
+Z = 2.0
+"""Standard errors of the difference by which a probe's mean must beat the current mode's."""
+
+BUDGET = 0.02
+"""The share of the loop's time that probes may cost where they lose: well inside the 5% that a
+paired ratio of two runs moves by on a shared 2-core machine, and that the targets allow."""
+
+
+@dataclass(frozen=True)
+class Window:
+    """One measured window of the loop: `WINDOW` batches in one mode."""
+
+    threaded: bool
+    """Whether the thread made the window's batches."""
+    period: float
+    """The loop's wall time per batch, seconds: ``next()`` and the step together."""
+    step: float
+    """The mean step, the time between handing a batch over and the next ``next()``."""
+    produce: float
+    """The mean time the thread took to make a batch; ``nan`` where it made none."""
+    remaining: int | None = None
+    """Batches left in the epoch after this window, where the epoch has a length."""
+
+
+class Decision:
+    """Whether the thread should make the next batches, from the windows measured so far."""
+
+    def __init__(self) -> None:
+        self.threaded = True
+        """The mode the loop runs in outside probes."""
+        self.note = ""
+        """Why the loop runs without the thread, from the probe that chose it; "" while it runs
+        with the thread."""
+        self._history: deque[float] = deque(maxlen=HISTORY)
+        self._probe: list[float] | None = None  # the other mode's windows, during a probe
+        self._elapsed = 0.0  # loop seconds measured
+        self._spent = 0.0  # the cost bounds of the probes made
+
+    @property
+    def wanted(self) -> bool:
+        """Whether the thread should make the next batches: the other mode during a probe."""
+        return self.threaded != (self._probe is not None)
+
+    @property
+    def probing(self) -> bool:
+        """Whether a probe of the other mode is under way."""
+        return self._probe is not None
+
+    def window(self, window: Window) -> bool:
+        """Take one measured window; return `wanted` for the next ones.
+
+        A window measured in a mode other than the one wanted is not the decision's (the stage
+        had not switched yet) and is left out.
+        """
+        if window.threaded != self.wanted:
+            return self.wanted
+        self._elapsed += window.period * WINDOW
+        if self._probe is not None:
+            self._probed(window.period)
+        else:
+            self._history.append(window.period)
+            if len(self._history) == HISTORY and self._due(window):
+                self._probe = []
+        return self.wanted
+
+    def epoch_ended(self) -> None:
+        """An epoch ended: a probe under way is dropped (its windows would span two epochs)."""
+        self._probe = None
+
+    def _due(self, window: Window) -> bool:
+        """Whether a probe now keeps every probe's cost within `BUDGET` of the loop's time."""
+        if window.threaded:
+            per_batch = min(window.step, window.produce)
+            if math.isnan(per_batch):
+                return False
+        else:
+            per_batch = window.period
+        cost = PROBE * WINDOW * per_batch
+        horizon = self._elapsed
+        if window.remaining is not None:
+            horizon += window.remaining * window.period
+        if self._spent + cost > BUDGET * horizon:
+            return False
+        self._spent += cost
+        return True
+
+    def _probed(self, period: float) -> None:
+        probe = self._probe
+        assert probe is not None  # probing
+        probe.append(period)
+        history = self._history
+        before, after = statistics.fmean(history), statistics.fmean(probe)
+        if after >= before:
+            self._probe = None  # lost: the current mode stays
+            return
+        error = statistics.stdev(history) * math.sqrt(1 / len(probe) + 1 / len(history))
+        if after >= before - Z * error:
+            if len(probe) == PROBE:
+                self._probe = None  # not faster beyond doubt: the current mode stays
+            return
+        self.threaded = not self.threaded
+        self._probe = None
+        history.clear()
+        history.extend(probe)
+        self.note = (
+            ""
+            if self.threaded
+            else f"the loop ran {before / after:.2f}x as fast without the thread "
+            f"({_duration(after)} against {_duration(before)} a batch)"
+        )
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e6:.0f} us" if seconds < 1e-3 else f"{seconds * 1e3:.2f} ms"

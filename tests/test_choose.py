@@ -1,0 +1,179 @@
+"""The decision between the thread and the loop alone, on numbers: no clock, no thread."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from prefetchx._choose import BUDGET, HISTORY, PROBE, WINDOW, Decision, Window
+
+US = 1e-6
+
+
+def threaded(period: float, step: float, produce: float, remaining: int | None = None) -> Window:
+    return Window(True, period, step, produce, remaining)
+
+
+def alone(period: float, remaining: int | None = None) -> Window:
+    return Window(False, period, period * 0.5, math.nan, remaining)
+
+
+def run(decision: Decision, make: dict[bool, Window], windows: int) -> list[bool]:
+    """Feed ``windows`` windows, each in the mode the decision wants, from ``make``; return the
+    modes the windows ran in."""
+    modes = []
+    for _ in range(windows):
+        mode = decision.wanted
+        modes.append(mode)
+        decision.window(make[mode])
+    return modes
+
+
+def test_a_new_decision_runs_the_thread() -> None:
+    decision = Decision()
+    assert decision.threaded
+    assert decision.wanted
+    assert not decision.probing
+    assert decision.note == ""
+
+
+def test_no_probe_before_the_thread_has_a_history() -> None:
+    decision = Decision()
+    for _ in range(HISTORY - 1):
+        assert decision.window(threaded(100 * US, 2 * US, 60 * US, remaining=10**6))
+    assert not decision.probing
+
+
+def test_a_loop_faster_alone_parks_the_thread_at_its_first_probe() -> None:
+    # No work in the step (2 us), 60 us to make a batch: the thread costs a hand-off a batch
+    # and can hide 2 us. A long epoch pays for a probe at once.
+    decision = Decision()
+    make = {True: threaded(100 * US, 2 * US, 60 * US, remaining=4000), False: alone(40 * US)}
+    modes = run(decision, make, HISTORY + 3)
+    assert modes[:HISTORY] == [True] * HISTORY
+    assert modes[HISTORY] is False  # the probe
+    assert not decision.threaded  # won by a wide margin in one window
+    assert modes[HISTORY + 1 :] == [False, False]
+    assert decision.note == (
+        "the loop ran 2.50x as fast without the thread (40 us against 100 us a batch)"
+    )
+
+
+def test_where_the_thread_hides_a_dear_step_a_short_epoch_never_probes() -> None:
+    # 5 ms of data and 5 ms of step, 120 batches: a probe could cost 5 ms a batch for up to
+    # PROBE windows, more than BUDGET of the epoch.
+    decision = Decision()
+    left = 120
+    while left > 0:
+        left -= WINDOW
+        assert decision.window(threaded(5.2e-3, 5e-3, 5e-3, remaining=max(0, left)))
+        assert not decision.probing
+
+
+def test_a_probe_that_loses_ends_after_one_window_and_the_thread_stays() -> None:
+    decision = Decision()
+    make = {True: threaded(100 * US, 50 * US, 50 * US, remaining=10**6), False: alone(180 * US)}
+    modes = run(decision, make, HISTORY + 2)
+    assert modes[HISTORY] is False
+    assert modes[HISTORY + 1] is True  # one window of the loop alone was enough
+    assert decision.threaded
+
+
+def test_a_difference_within_the_windows_stray_does_not_switch() -> None:
+    # The thread's windows stray by +-10%; the loop alone reads 3% faster in every window of
+    # its probe: not beyond doubt, so the probe ends lost after PROBE windows.
+    decision = Decision()
+    for i in range(HISTORY):
+        decision.window(threaded((100 + (10 if i % 2 else -10)) * US, 50 * US, 50 * US, 10**6))
+    assert decision.probing
+    for _ in range(PROBE):
+        decision.window(alone(97 * US))
+    assert not decision.probing
+    assert decision.threaded
+
+
+def test_a_clear_but_smaller_difference_switches_after_more_windows() -> None:
+    # Windows that stray by +-5%, the loop alone 10% faster: one window is not enough, two are.
+    decision = Decision()
+    for i in range(HISTORY):
+        decision.window(threaded((100 + (5 if i % 2 else -5)) * US, 50 * US, 50 * US, 10**6))
+    assert decision.probing
+    decision.window(alone(90 * US))
+    assert decision.probing
+    decision.window(alone(90 * US))
+    assert not decision.threaded
+
+
+def _switch_rate(faster: float, probes: int = 2000) -> float:
+    """The share of probes that switch where the other mode is ``faster`` (0.3: 30% less time
+    a batch; below 0: slower) and every window strays by 10% (normal)."""
+    rng = random.Random(0)
+    switches = 0
+    for _ in range(probes):
+        decision = Decision()
+        for _ in range(HISTORY):
+            decision.window(threaded(rng.gauss(100, 10) * US, 50 * US, 50 * US, 10**6))
+        assert decision.probing
+        while decision.probing:
+            decision.window(alone(rng.gauss(100 * (1 - faster), 10) * US))
+        switches += not decision.threaded
+    return switches / probes
+
+
+def test_a_slower_mode_is_rarely_taken_and_a_much_faster_one_almost_always() -> None:
+    # The rates the module docstring states.
+    assert _switch_rate(-0.10) < 0.02
+    assert _switch_rate(-0.05) < 0.05
+    assert _switch_rate(0.0) < 0.15  # alike: a swap costs nothing
+    assert _switch_rate(0.30) > 0.97
+
+
+def test_windows_of_the_mode_not_wanted_are_left_out() -> None:
+    # The stage had not switched yet: what it measured is not the probe's.
+    decision = Decision()
+    make = threaded(100 * US, 2 * US, 60 * US, remaining=4000)
+    for _ in range(HISTORY):
+        decision.window(make)
+    assert decision.probing
+    decision.window(make)  # still threaded
+    assert decision.probing
+    assert decision.threaded
+    decision.window(alone(40 * US))
+    assert not decision.threaded
+
+
+def test_an_epoch_that_ends_drops_the_probe_under_way() -> None:
+    decision = Decision()
+    for _ in range(HISTORY):
+        decision.window(threaded(100 * US, 50 * US, 50 * US, 10**6))
+    assert decision.probing
+    decision.epoch_ended()
+    assert not decision.probing
+    assert decision.wanted
+
+
+def test_a_parked_loop_tries_the_thread_again_and_takes_it_where_it_now_wins() -> None:
+    # Parked where the loop alone ran faster; then the loop changes (a dear step comes), and a
+    # later probe finds the thread faster.
+    decision = Decision()
+    run(decision, {True: threaded(100 * US, 2 * US, 60 * US, 4000), False: alone(40 * US)}, 8)
+    assert not decision.threaded
+    make = {True: threaded(1.1e-3, 1e-3, 1e-3, None), False: alone(2e-3, None)}
+    modes = run(decision, make, 2000)
+    assert True in modes
+    assert decision.threaded
+    assert decision.note == ""  # with the thread again: nothing to explain
+
+
+def test_probes_cost_at_most_the_budget_where_they_lose() -> None:
+    # A long run where the thread wins by 2x: the windows the loop alone ran (the probes) cost
+    # at most BUDGET of the loop's time over what the thread would have taken.
+    decision = Decision()
+    make = {True: threaded(1e-3, 1e-3, 1e-3, None), False: alone(2e-3, None)}
+    modes = run(decision, make, 20000)
+    probe_windows = modes.count(False)
+    assert probe_windows > 0  # it does look again
+    lost = probe_windows * WINDOW * (2e-3 - 1e-3)
+    total = len(modes) * WINDOW * 1e-3
+    assert lost <= BUDGET * total
+    assert decision.threaded
