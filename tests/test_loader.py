@@ -964,3 +964,55 @@ def test_switching_between_thread_and_loop_at_every_window_keeps_dataloaders_epo
     assert got["DataLoaderX"][0] == got["DataLoader"][0]
     assert ("ValueError: boom at index 17", []) in got["DataLoader"][0][0]
     assert torch.equal(got["DataLoaderX"][1], got["DataLoader"][1])
+
+
+class _Timed(Dataset[int]):
+    def __init__(self, n: int, seconds: float) -> None:
+        self.n, self.seconds = n, seconds
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        time.sleep(self.seconds)
+        return i
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+@pytest.mark.parametrize("reseed", [True, False])
+def test_leaving_an_epoch_early_draws_nothing_more_from_the_loaders_generator(
+    persistent: bool, reseed: bool
+) -> None:
+    # 24 batches, 2 workers (their index queues 4 batches ahead), items of 30 ms: the sampler
+    # reaches its end, where RandomSampler draws a whole permutation from the loader's
+    # generator, in the call for batch 21. A thread running ahead of a loop that leaves after
+    # batch 19 must not make that draw: DataLoader does not. Before, it did where it got
+    # there before the next epoch began, and raced with a reseed right after the break.
+    def epochs(kind: Any) -> list[list[int]]:
+        generator = torch.Generator().manual_seed(0)
+        loader = kind(
+            _Timed(24, 0.03),
+            batch_size=1,
+            shuffle=True,
+            num_workers=2,
+            persistent_workers=persistent,
+            generator=generator,
+        )
+        out: list[list[int]] = []
+        for epoch in range(3):
+            seen = []
+            for i, batch in enumerate(loader):
+                seen.append(int(batch))
+                if epoch == 0 and i + 1 == 19:
+                    break
+            if epoch == 0:
+                time.sleep(0.3)  # whatever a thread ran ahead into, it has done by now
+            if reseed:
+                generator.manual_seed(epoch + 1)
+            out.append(seen)
+        close = getattr(loader, "close", None)
+        if close is not None:
+            close()
+        return out
+
+    assert epochs(DataLoaderX) == epochs(DataLoader)
