@@ -1,6 +1,7 @@
 """The benchmark programs of issue #16 (``benchmarks/grid.py``, ``jpeg_pipeline.py``,
-``no_work.py``, ``kept_alone.py`` and ``mode_trace.py``): their quick runs write a table and a
-JSON record of the expected shape; the full grid's cells."""
+``no_work.py``, ``kept_alone.py`` and ``mode_trace.py``) and of issue #64 (``new_loader.py``):
+their quick runs write a table and a JSON record of the expected shape; the full grid's cells;
+the verdicts, read from hand-made numbers."""
 
 from __future__ import annotations
 
@@ -410,7 +411,7 @@ def test_the_jpeg_summary_holds_a_winning_configuration_to_the_recipe_round_by_r
     assert "DataLoaderX at 0.980 of the recipe" in " ".join(text.split())
 
 
-@pytest.mark.parametrize("program", ["grid", "jpeg_pipeline"])
+@pytest.mark.parametrize("program", ["grid", "jpeg_pipeline", "new_loader"])
 @pytest.mark.parametrize(
     ("args", "shown"),
     [
@@ -482,7 +483,7 @@ def test_a_second_look_with_workers_times_several_epochs_an_arm_a_round(
     assert record["extra_us_per_batch"]["again"] == statistics.median(per_batch)
 
 
-@pytest.mark.parametrize("program", ["grid", "jpeg_pipeline"])
+@pytest.mark.parametrize("program", ["grid", "jpeg_pipeline", "new_loader"])
 def test_a_bad_option_from_the_shell_prints_no_traceback(program: str, tmp_path: Path) -> None:
     done = _run(program, "--rounds", "3", "--out", str(tmp_path / "run"))
     assert done.returncode == 2
@@ -831,3 +832,190 @@ def test_any_number_of_workers_sizes_a_cell(program: str, tmp_path: Path) -> Non
     done = _run(program, *args, "--out", str(tmp_path / program))
     assert done.returncode == 0, done.stderr
     assert "3 workers" in json.loads((tmp_path / f"{program}.json").read_text())["cell"]
+
+
+# --- new_loader.py (issue #64) --------------------------------------------------------------------
+
+NEW_LOADER_ARMS = {"plain", "again", "recipe", "prefetchx"}
+
+
+def test_the_quick_new_loader_run_writes_its_table_and_record(tmp_path: Path) -> None:
+    stem = tmp_path / "new_loader"
+    done = _run("new_loader", "--quick", "--out", str(stem))
+    text, record = _recorded(stem, done, NEW_LOADER_ARMS)
+    program = _program("new_loader")
+    cells = record["cells"]
+    assert [c["label"] for c in cells] == [c.label for c in program.cells(quick=True)]
+    assert record["meta"]["rounds"] == 5
+    for cell in cells:
+        assert f"\n{cell['label']}: " in text  # its block
+        for arm in NEW_LOADER_ARMS:
+            assert len(cell["epochs_s"][arm]) == len(cell["first_s"][arm]) == 5, arm
+        _paired({arm: f["vs plain"] for arm, f in cell["figures"].items()}, NEW_LOADER_ARMS)
+        assert cell["figures"]["recipe"]["vs recipe"]["rounds"] == [1.0] * 5
+        assert len(cell["bounds_s"]) == (0 if cell["kind"] == "none" else 5)
+        assert cell["targets"]
+        for target in cell["targets"]:
+            _follows_from_its_numbers(program, target)
+            assert target["says"] in text
+            assert program.target_line(target) in text
+    # Every target of issue #64 is read, each in its cell.
+    figures = [(c["label"].split(",")[0], t["figure"]) for c in cells for t in c["targets"]]
+    assert figures == [
+        ("seed demo", "vs recipe"),
+        ("seed demo", "vs recipe"),
+        ("sleep 1/1 ms", "overlap"),
+        ("sleep 1/1 ms", "first 10 vs recipe"),
+        ("no work", "vs plain"),
+        ("python 0.05/0.05 ms", "vs plain"),
+    ]
+    # The closing sentence follows from the record's own verdicts.
+    assert record["conclusion"] == program.conclude(cells, quick=True)
+
+
+def _follows_from_its_numbers(program: ModuleType, target: dict[str, Any]) -> None:
+    """A target's verdict, uncertainty and busy flag, as its recorded figures give them."""
+    from prefetchx.bench.paired import Spread, judge, too_busy, uncertainty
+
+    value, noise = Spread(**target["value"]), Spread(**target["noise"])
+    assert target["verdict"] == judge(value, target["line"], noise)
+    assert target["uncertainty"] == pytest.approx(uncertainty(value, noise))
+    assert target["machine_too_busy"] == too_busy(noise)
+
+
+def test_the_new_loader_program_runs_only_the_cells_its_pattern_names(tmp_path: Path) -> None:
+    stem = tmp_path / "new_loader"
+    done = _run("new_loader", "--quick", "--only", "^no work", "--out", str(stem))
+    _, record = _recorded(stem, done, NEW_LOADER_ARMS)
+    assert [c["label"] for c in record["cells"]] == ["no work, 400 batches"]
+    assert record["meta"]["only"] == "^no work"
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--only", "^zzz"], "--only matches no cell's label: '^zzz'"),
+        (["--only", "demo("], "argument --only: not a regular expression"),
+    ],
+)
+def test_the_new_loader_program_refuses_a_pattern_that_runs_nothing(
+    args: list[str], says: str
+) -> None:
+    done = _run("new_loader", "--quick", *args)
+    assert done.returncode == 2
+    assert says in done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stdout == ""
+
+
+class _Clock:
+    """A clock that moves only when told: times from it depend on no machine."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_a_new_loader_is_timed_from_before_it_is_made_to_its_last_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    program = _program("new_loader")
+    clock = _Clock()
+    monkeypatch.setattr(program, "time", clock)
+    released = []
+
+    def make() -> list[int]:
+        clock.now += 100.0  # construction
+        return list(range(12))
+
+    def step() -> None:
+        clock.now += 1.0
+
+    monkeypatch.setattr(program, "release", released.append)
+    assert program.timed(make, step) == (112.0, 110.0)  # the 10th step ends at 110
+    assert program.timed(lambda: [1, 2], step, first=10) == (2.0, None)  # a shorter epoch
+    assert len(released) == 2
+
+
+def _read(program: ModuleType, cell: Any, ours: list[float], again: list[float]) -> Any:
+    """A cell read from hand-made rounds: plain 1.5 s, the recipe 1.1 s, each round."""
+    times = {"plain": [1.5] * 5, "again": again, "recipe": [1.1] * 5, "prefetchx": ours}
+    firsts = {arm: [0.1] * 5 for arm in times}
+    return program.read(cell, times, firsts, [1.0] * 5)
+
+
+def test_a_new_loader_target_is_read_from_its_rounds_and_plain_against_itself() -> None:
+    program = _program("new_loader")
+    (demo,) = [c for c in program.cells(quick=False) if c.label == "seed demo, 20 items"]
+    quiet = [1.5] * 5
+    busy = [1.5 / r for r in (1.00, 0.95, 1.06, 0.97, 1.03)]  # plain against itself, +/-6%
+
+    def verdict(ours: list[float], again: list[float]) -> tuple[str, bool]:
+        (target,) = _read(program, demo, ours, again)["targets"]
+        return target["verdict"], target["machine_too_busy"]
+
+    # The issue's figures: the recipe 1.11 s, DataLoaderX 1.53 s: 0.72x the recipe's speed.
+    assert verdict([1.53] * 5, quiet) == ("not met", False)
+    assert verdict([1.1] * 5, quiet) == ("met", False)
+    assert verdict([1.1 / 0.975] * 5, quiet) == ("met", False)  # in tight rounds, just above
+    assert verdict([1.1 / 0.96] * 5, quiet) == ("not met", False)
+    # 0.98x the recipe in every round: met on a quiet machine; on a busy one the noise of
+    # plain against itself, +/-8.9% of a median, covers the target.
+    assert verdict([1.1 / 0.98] * 5, busy) == ("too noisy to tell", True)
+    # Rounds of its own that straddle the target by far: too noisy, the machine quiet.
+    wide = [1.1 / r for r in (0.80, 1.10, 0.95, 1.05, 0.90)]
+    assert verdict(wide, quiet) == ("too noisy to tell", False)
+
+
+def test_a_new_loaders_figures_are_taken_within_each_round() -> None:
+    program = _program("new_loader")
+    (cell,) = [c for c in program.cells(quick=False) if c.label.startswith("sleep 5/5 ms")]
+    times = {
+        "plain": [1.2, 2.4, 1.2, 1.2, 1.2],  # round 2: the machine slowed every arm by 2x
+        "again": [1.2, 2.4, 1.2, 1.2, 1.2],
+        "recipe": [0.62, 1.24, 0.62, 0.62, 0.62],
+        "prefetchx": [0.61, 1.22, 0.61, 0.61, 0.61],
+    }
+    firsts = {
+        "plain": [0.1] * 5,
+        "again": [0.1] * 5,
+        "recipe": [0.06] * 5,
+        "prefetchx": [0.0605] * 5,  # ... and 0.121 s, the issue's trace: 0.50x
+    }
+    bounds = [0.605, 1.21, 0.605, 0.605, 0.605]
+    read = program.read(cell, times, firsts, bounds)
+    ours = read["figures"]["prefetchx"]
+    assert ours["overlap"]["rounds"] == pytest.approx([0.605 / 0.61] * 5)
+    assert ours["vs recipe"]["rounds"] == pytest.approx([0.62 / 0.61] * 5)
+    assert ours["first 10 vs recipe"]["rounds"] == pytest.approx([0.06 / 0.0605] * 5)
+    overlap, start = read["targets"]
+    assert (overlap["figure"], overlap["verdict"]) == ("overlap", "met")
+    assert (start["figure"], start["verdict"]) == ("first 10 vs recipe", "met")
+    firsts["prefetchx"] = [0.121] * 5
+    _, start = program.read(cell, times, firsts, bounds)["targets"]
+    assert start["value"]["median"] == pytest.approx(0.06 / 0.121)
+    assert start["verdict"] == "not met"
+
+
+def test_the_new_loader_conclusion_counts_the_verdicts_and_names_the_ones_not_met() -> None:
+    program = _program("new_loader")
+    (demo,) = [c for c in program.cells(quick=False) if c.label == "seed demo, 20 items"]
+    busy = [1.5 / r for r in (1.00, 0.95, 1.06, 0.97, 1.03)]
+    met = _read(program, demo, [1.1] * 5, [1.5] * 5)
+    missed = _read(program, demo, [1.53] * 5, [1.5] * 5)
+    untold = _read(program, demo, [1.1 / 0.98] * 5, busy)
+    sentence = program.conclude([met, missed, untold], quick=False)
+    assert sentence == (
+        "On this machine, new DataLoaderX loaders, timed from their first batch, met 1 of 3 "
+        "targets, missed 1 (seed demo, 20 items, vs recipe 0.719 against 0.970), and 1 was too "
+        "noisy to tell (seed demo, 20 items, vs recipe 0.980 against 0.970): the machine was too "
+        "busy for 1 of them (plain against itself alone left a median more than 2% of noise): "
+        "run them again on a quiet machine."
+    )
+    assert program.conclude([met], quick=True) == (
+        "On this machine (a --quick run: nothing to quote), new DataLoaderX loaders, timed from "
+        "their first batch, met 1 of 1 targets."
+    )
+    assert program.conclude([], quick=False) == "Nothing was measured."

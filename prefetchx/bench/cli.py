@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from prefetchx import __version__
-from prefetchx.bench.paired import Spread
 from prefetchx.bench.record import depth
 from prefetchx.bench.synthetic import (
     WARM_BATCHES,
     ArmResult,
     Case,
+    Loop,
     as_rows,
     conclude,
     format_table,
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 CONTROL = "the control: the GIL leaves nothing to overlap"
 NO_RECIPE = "the recipe left out: it is 5-10x slower here"
+NO_RECIPE_ARMS = ("plain", "again", "prefetchx", "warmed")
 
 DEFAULT_GRID = [
     Case("sleep", 5, 5, 50),  # the overlap-efficiency target
@@ -46,17 +47,19 @@ DEFAULT_GRID = [
     Case("numpy", 5, 5, 40),
     Case("python", 5, 5, 40, note=CONTROL),
     # No step work: long epochs, as each batch costs only microseconds, and the recipe apart.
-    Case("sleep", 0, 0, 20000, rounds=7, arms=("plain", "prefetchx"), note=NO_RECIPE),
+    Case("sleep", 0, 0, 20000, rounds=7, arms=NO_RECIPE_ARMS, note=NO_RECIPE),
     Case("sleep", 0, 0, 2000, note="shorter epochs, to run the recipe too"),
 ]
 QUICK_GRID = [
     Case("sleep", 2, 2, 20),
     Case("python", 1, 1, 20, note=CONTROL),
-    Case("sleep", 0, 0, 2000, arms=("plain", "prefetchx"), note=NO_RECIPE),
+    Case("sleep", 0, 0, 2000, arms=NO_RECIPE_ARMS, note=NO_RECIPE),
 ]
 JPEG_WORKERS = (0, 2)
 JPEG_IMAGES = 256
 JPEG_BATCH = 16
+JPEG_ARMS = ("plain", "again", "recipe", "prefetchx")
+"""The JPEG workload's arms: ``again``, plain against itself, gives each row its noise."""
 
 
 def _log(line: str) -> None:
@@ -70,7 +73,8 @@ def _meta(args: argparse.Namespace) -> dict[str, Any]:
 def _synthetic(args: argparse.Namespace) -> list[ArmResult]:
     print(
         "\n== Synthetic loop: per-batch data and step cost, one kind of work; arms in paired "
-        f"rounds, each arm after {WARM_BATCHES} untimed batches or more in whole epochs =="
+        "rounds, each a new loader timed from its first batch (construction, iter() and every "
+        f"batch), but 'warmed', one loader after {WARM_BATCHES} untimed batches =="
     )
     results: list[ArmResult] = []
     for case in QUICK_GRID if args.quick else DEFAULT_GRID:
@@ -92,7 +96,7 @@ def _jpeg(args: argparse.Namespace) -> list[JpegResult]:
         return []
     from prefetchx.bench.jpeg import jpeg_files, measure_jpeg
 
-    arms = ("plain", "recipe", "prefetchx")
+    arms = JPEG_ARMS
     print(
         (
             f"{'threads':>7} {'workers':>7} {'plain ms':>9}  "
@@ -131,8 +135,10 @@ def _jpeg(args: argparse.Namespace) -> list[JpegResult]:
             "workers, persistent; plain ms: the plain arm's median epoch time; ARM vs plain: "
             "as in the synthetic table. Every arm normalizes in its collate_fn, with "
             "DataLoaderX's own normalization, so all in the same place: a worker, or without "
-            "workers the thread that makes the batch. Each arm runs one untimed epoch before "
-            "the rounds.",
+            "workers the thread that makes the batch. again: a second plain DataLoader, plain "
+            "against itself: its spread is the noise. Unlike the synthetic loop's, these "
+            "loaders are warmed: each arm runs one untimed epoch before the rounds (its "
+            "workers started), and DataLoaderX keeps its choice from it.",
             indent="",
         )
     )
@@ -173,12 +179,17 @@ def _cuda() -> dict[str, Any]:
 
 
 def conclusion(synthetic: list[ArmResult], jpeg: list[JpegResult], quick: bool = False) -> str:
-    """The sentence a run ends with: DataLoaderX against plain in every loop it measured."""
-    loops: list[tuple[str, Spread]] = [
-        (r.case.label, r.spread) for r in synthetic if r.arm == "prefetchx"
+    """The sentence a run ends with: a new DataLoaderX against plain in every loop it measured,
+    each read with plain against itself in the same rounds where the loop has it."""
+    twins = {id(r.case): r.spread for r in synthetic if r.arm == "again"}
+    loops: list[Loop] = [
+        (r.case.label, r.spread, twins.get(id(r.case))) for r in synthetic if r.arm == "prefetchx"
     ]
-    loops += [(r.label, r.spread("prefetchx")) for r in jpeg]
-    return conclude(loops, quick=quick)
+    loops += [
+        (r.label, r.spread("prefetchx"), r.spread("again") if "again" in r.ratios else None)
+        for r in jpeg
+    ]
+    return conclude(loops, arm="a new DataLoaderX", quick=quick)
 
 
 def _bench(args: argparse.Namespace) -> int:

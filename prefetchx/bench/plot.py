@@ -14,8 +14,9 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-ARMS = ("recipe", "prefetchx", "inline", "floor")
-"""Arms drawn, in this order, where the run has them; plain is the line at 1.0."""
+ARMS = ("recipe", "prefetchx", "inline", "floor", "warmed")
+"""Arms drawn, in this order, where the run has them; plain is the line at 1.0, and plain
+against itself (``again``), the noise, is in the record and the table."""
 
 
 def _case_label(case: Mapping[str, Any]) -> str:

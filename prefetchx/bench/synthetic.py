@@ -7,7 +7,11 @@ Each batch costs the producer ``data_ms`` and the training step ``step_ms`` of o
 * ``python``: a pure-Python loop, which holds the GIL: the control, where no thread can help.
 
 Arms run in paired rounds (`prefetchx.bench.paired`): each round runs every arm once, back to
-back, and each arm's speed is taken against the plain ``DataLoader``'s within the round. A
+back, and each arm's speed is taken against the plain ``DataLoader``'s within the round. Each arm
+is a new loader in every round, timed from before it is made (construction, ``iter()`` and
+every batch), as a user meets it: a new process, an evaluation loader built anew, a short
+fine-tune. Only the ``warmed`` arm is one loader kept over the rounds, after `WARM_BATCHES`
+untimed batches: the steady state a long run reaches, labelled as such. A
 prefetching arm is also held against the *bound*, the shortest epoch any prefetcher could make of
 the round's work (`bound`), from the data and step times of the plain arm in the same round:
 there nothing runs beside the work, so its times hold no waits for the GIL or for a core.
@@ -35,7 +39,16 @@ from torch.utils.data import DataLoader, Dataset
 
 from prefetchx import __version__
 from prefetchx._loader import DataLoaderX
-from prefetchx.bench.paired import CLEAR, MIN_ROUNDS, Spread, ratios, run_rounds
+from prefetchx.bench.paired import (
+    CLEAR,
+    MIN_ROUNDS,
+    Spread,
+    compare,
+    ratios,
+    run_rounds,
+    too_busy,
+    uncertainty,
+)
 
 KINDS = ("sleep", "numpy", "python")
 
@@ -130,11 +143,10 @@ class RecipeLoader(DataLoader[Any]):
 
 
 WARM_BATCHES = 128
-"""Batches each arm runs untimed before the rounds, in whole epochs, one at least. A fresh
-DataLoaderX decides between its thread and the loop alone over its first 36 batches and a probe
-of about 20 more (docs/design.md), which a training run pays once: the rounds time the loop
-after that. In the loops of 30 to 50 batches, timed from the first epoch, the first two rounds
-were the choice being made (numpy 5/5 ms: 1.04x and 1.38x, then 1.9x)."""
+"""Batches the ``warmed`` arm runs untimed before the rounds, in whole epochs, one at least: the
+other arms are new loaders timed from their first batch, as users meet them (issue #64: 128
+untimed batches hid a new loader's first 40-60 batches without its thread). The warmed arm
+stands beside them to show the steady state a long run reaches, not what a new loader pays."""
 
 _END = object()
 
@@ -198,6 +210,9 @@ ARMS: dict[str, ArmFactory] = {
         dataset, max_prefetch=depth, device="cpu", **kw
     ),
     "inline": lambda dataset, depth, kw: DataLoaderX(dataset, max_prefetch=0, device="cpu", **kw),
+    "warmed": lambda dataset, depth, kw: DataLoaderX(
+        dataset, max_prefetch=depth, device="cpu", **kw
+    ),
     "floor": lambda dataset, depth, kw: RunAhead(DataLoader(dataset, **kw)),
     "again": lambda dataset, depth, kw: DataLoader(dataset, **kw),
     "recipe again": lambda dataset, depth, kw: RecipeLoader(dataset, max_prefetch=depth, **kw),
@@ -209,6 +224,8 @@ ARM_NOTES = {
     "recipe": "the BackgroundGenerator recipe: a Queue(max_prefetch) thread over DataLoader",
     "prefetchx": "DataLoaderX(max_prefetch=N, device='cpu'), the thread stage with its inline "
     "switch",
+    "warmed": f"DataLoaderX as the prefetchx arm, but one loader kept over the rounds after "
+    f"{WARM_BATCHES} untimed batches: the steady state of a long run, not what a new loader pays",
     "inline": "DataLoaderX(max_prefetch=0, device='cpu'): no thread, DataLoaderX's own bookkeeping "
     "only",
     "floor": "a thread running DataLoader a whole epoch ahead into a queue.SimpleQueue: the "
@@ -221,7 +238,7 @@ ARM_NOTES = {
 }
 """What each arm is, as the outputs explain it."""
 
-PREFETCHING = ("recipe", "prefetchx", "floor")
+PREFETCHING = ("recipe", "prefetchx", "warmed", "floor")
 """Arms that run the loader ahead in a thread: the bound means something for them only (plain
 and inline make each batch when asked, so their best is themselves)."""
 
@@ -288,7 +305,7 @@ class Case:
     step_ms: float
     batches: int
     rounds: int = MIN_ROUNDS
-    arms: tuple[str, ...] = ("plain", "recipe", "prefetchx")
+    arms: tuple[str, ...] = ("plain", "again", "recipe", "prefetchx", "warmed")
     note: str = ""
 
     @property
@@ -341,6 +358,19 @@ def run_epoch(loader: Iterable[Any], step: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
+def run_new(make: Callable[[], Iterable[Any]], step: Callable[[], None]) -> float:
+    """Time one epoch of a new loader from before ``make`` builds it: its construction, its
+    ``iter()`` and every batch, with ``step`` called once per batch; release it after."""
+    start = time.perf_counter()
+    loader = make()
+    try:
+        for _ in loader:
+            step()
+        return time.perf_counter() - start
+    finally:
+        release(loader)  # untimed: a loop that ends its epoch has nothing left to stop
+
+
 def _median_call_ms(calls: list[list[float]]) -> float | None:
     means = [sum(c) / len(c) for c in calls if c]
     return statistics.median(means) * 1e3 if means else None
@@ -349,12 +379,23 @@ def _median_call_ms(calls: list[list[float]]) -> float | None:
 def measure(
     case: Case, max_prefetch: int = 2, progress: Callable[[str], None] | None = None
 ) -> list[ArmResult]:
-    """Run every arm of ``case`` in ``case.rounds`` paired rounds (see `prefetchx.bench.paired`)."""
+    """Run every arm of ``case`` in ``case.rounds`` paired rounds (see `prefetchx.bench.paired`).
+
+    Each arm but ``warmed`` is a new loader in every round, timed from its first batch
+    (`run_new`); ``warmed`` is one loader, run `WARM_BATCHES` untimed batches first.
+    """
     if "plain" not in case.arms:
         raise ValueError(f"`case.arms` must include 'plain', the baseline, got {case.arms}.")
     data, step = Work(case.kind, case.data_ms), Work(case.kind, case.step_ms)
     dataset = WorkDataset(case.batches, data)
-    loaders = {name: ARMS[name](dataset, max_prefetch, {"batch_size": None}) for name in case.arms}
+
+    def make(name: str) -> Iterable[Any]:
+        return ARMS[name](dataset, max_prefetch, {"batch_size": None})
+
+    warmed = {name: make(name) for name in case.arms if name == "warmed"}
+    for loader in warmed.values():
+        for _ in range(max(1, math.ceil(WARM_BATCHES / max(1, case.batches)))):
+            run_epoch(loader, step)
     data_calls: list[list[float]] = []  # the plain arm's, per round
     step_calls: list[list[float]] = []
 
@@ -362,7 +403,10 @@ def measure(
         def run() -> float:
             data.calls.clear()
             step.calls.clear()
-            seconds = run_epoch(loaders[name], step)
+            if name in warmed:
+                seconds = run_epoch(warmed[name], step)
+            else:
+                seconds = run_new(lambda: make(name), step)
             if name == "plain":
                 data_calls.append(data.calls[:])
                 step_calls.append(step.calls[:])
@@ -374,10 +418,11 @@ def measure(
         if progress is not None:
             progress(f"  {case.label}: round {done}/{case.rounds}")
 
-    for name in case.arms:
-        for _ in range(max(1, math.ceil(WARM_BATCHES / max(1, case.batches)))):
-            run_epoch(loaders[name], step)
-    times = run_rounds({name: arm(name) for name in case.arms}, case.rounds, report)
+    try:
+        times = run_rounds({name: arm(name) for name in case.arms}, case.rounds, report)
+    finally:
+        for loader in warmed.values():
+            release(loader)
     speedups = ratios(times)
     no_work = case.data_ms <= 0 and case.step_ms <= 0
     together = overlaps(case.kind)
@@ -536,70 +581,113 @@ def _case_line(r: ArmResult) -> str:
     return f"{cost}, {case.batches} batches, {case.rounds} rounds{note}"
 
 
-def conclude(
-    loops: Sequence[tuple[str, Spread]], *, arm: str = "DataLoaderX", quick: bool = False
-) -> str:
+Loop = tuple[str, Spread] | tuple[str, Spread, Spread | None]
+"""A loop a conclusion reads: its name, the spread of the arm's speed over plain DataLoader's,
+and where the run has one, plain DataLoader's against itself in the same rounds (the noise)."""
+
+ADVICE = {
+    "mixed": "use it where your data or step work releases the GIL, and time your own loop "
+    "against max_prefetch=0 elsewhere",
+    "slower": "keep the plain DataLoader here unless your own loop, timed, says otherwise",
+    "faster": "switching costs nothing here",
+    "faster, unsure": "use it where your loop is like those it was faster in, and time your own "
+    "loop against max_prefetch=0 where it is like the others",
+    "alike": "switching neither gains nor costs here",
+    "alike, unsure": "time your own loop against max_prefetch=0 before switching",
+    "unsure": "nothing was decided: run it again on a quiet machine",
+}
+"""What the closing sentence advises, by which outcomes the loops had (`advice`)."""
+
+
+def advice(outcomes: Iterable[str]) -> str:
+    """What to do, from the loops' outcomes (`prefetchx.bench.paired.compare`'s words).
+
+    A loop slower than plain, read as such, is never followed by "costs nothing"; one the run
+    could not tell is never counted as either.
+    """
+    seen = set(outcomes)
+    if "slower" in seen:
+        return ADVICE["mixed" if "faster" in seen else "slower"]
+    unsure = ", unsure" if "unsure" in seen else ""
+    if "faster" in seen:
+        return ADVICE["faster" + unsure]
+    if "alike" in seen:
+        return ADVICE["alike" + unsure]
+    return ADVICE["unsure"]
+
+
+def _quote(name: str, spread: Spread) -> str:
+    return f"{spread.median:.2f}x, {name}"
+
+
+def _counts(read: Sequence[tuple[str, Spread, str, Spread | None]], n: int) -> str:
+    """The sentence's middle: how many loops came out each way, and the telling ones."""
+
+    def of(outcome: str) -> list[tuple[str, Spread, str, Spread | None]]:
+        return sorted((r for r in read if r[2] == outcome), key=lambda r: r[1].median)
+
+    def count(loops: Sequence[object]) -> str:
+        return str(len(loops)) if loops else "none"
+
+    faster, slower, alike, unsure = of("faster"), of("slower"), of("alike"), of("unsure")
+    parts = [f"faster in {count(faster)} of {n} loops"]
+    if faster:
+        parts[0] += f" (up to {_quote(faster[-1][0], faster[-1][1])})"
+    parts.append(f"slower in {count(slower)}")
+    if slower:
+        parts[-1] += f" (down to {_quote(slower[0][0], slower[0][1])})"
+    parts.append(f"alike in {count(alike)}")
+    text = ", ".join(parts)
+    if not unsure:
+        return text
+    name, spread, _, twin = unsure[0]  # the lowest median: the one a reader most needs
+    noise = "" if twin is None else f", plain against itself {twin.low:.2f}x to {twin.high:.2f}x"
+    return (
+        f"{text}, and too noisy to tell in {len(unsure)} (the lowest {_quote(name, spread)}, "
+        f"its rounds {spread.low:.2f}x to {spread.high:.2f}x{noise})"
+    )
+
+
+def _busy(read: Sequence[tuple[str, Spread, str, Spread | None]]) -> str:
+    """The clause that says the machine was too busy, where its noise left a loop untold."""
+    noisy = [twin for _, _, outcome, twin in read if outcome == "unsure" and twin is not None]
+    busy = [twin for twin in noisy if too_busy(twin)]
+    if not busy:
+        return ""
+    worst = max(uncertainty(twin) for twin in busy)
+    return (
+        f"; the machine was too busy to decide {len(busy)} of them: plain against itself alone "
+        f"left a median +/-{worst:.1%} of noise (two standard errors), above the "
+        f"{CLEAR:.0%} a difference must clear"
+    )
+
+
+def conclude(loops: Sequence[Loop], *, arm: str = "DataLoaderX", quick: bool = False) -> str:
     """One sentence that says what the runs mean for this machine.
 
+    Each loop is read by `prefetchx.bench.paired.compare`: faster or slower than plain where
+    its median lies beyond 1.0 by 2% and by its uncertainty (from its rounds and from plain
+    against itself), alike where it lies within 2% and the run could have seen 2%, too noisy
+    to tell otherwise. The sentence counts each outcome, quotes the telling loops, says when
+    the machine was too busy to decide (`prefetchx.bench.paired.too_busy`), and advises from
+    the counts alone (`advice`).
+
     Args:
-        loops: Each loop's name and the spread of ``arm``'s speed over plain DataLoader's.
+        loops: Each loop's name, the spread of ``arm``'s speed over plain DataLoader's, and
+            optionally plain DataLoader's against itself in the same rounds.
         arm: How the sentence names the arm.
         quick: The runs were short: the sentence says not to decide from them.
     """
     if not loops:
         return "Nothing was measured."
-    faster = [loop for loop in loops if loop[1].verdict == "faster"]
-    slower = [loop for loop in loops if loop[1].verdict == "slower"]
-    n = len(loops)
+    read = []
+    for loop in loops:
+        name, spread, twin = loop[0], loop[1], (loop[2] if len(loop) > 2 else None)
+        read.append((name, spread, compare(spread, twin), twin))
     where = (
-        "On this machine (a --quick run, too short to decide from)"
-        if quick
-        else ("On this machine")
+        "On this machine (a --quick run, too short to decide from)" if quick else "On this machine"
     )
-    # "Up to" and "down to" quote loops the sentence counted: a loop whose rounds fall on both
-    # sides of 1.0 is neither faster nor slower, however far its median.
-    best_name, best = max(faster or loops, key=lambda loop: loop[1].median)
-    worst_name, worst = min(slower or loops, key=lambda loop: loop[1].median)
-    top = f"{best.median:.2f}x, {best_name}"
-    bottom = f"{worst.median:.2f}x, {worst_name}"
-    if faster and slower:
-        return (
-            f"{where}, {arm} was faster than a plain DataLoader in {len(faster)} of {n} loops "
-            f"(up to {top}) and slower in {len(slower)} (down to {bottom}): use it where your "
-            "data or step work releases the GIL, and time your own loop against "
-            "max_prefetch=0 elsewhere."
-        )
-    if slower:
-        return (
-            f"{where}, {arm} gained nothing over a plain DataLoader and was slower in "
-            f"{len(slower)} of {n} loops (down to {bottom}): keep the plain DataLoader here "
-            "unless your own loop, timed, says otherwise."
-        )
-    # No loop was slower in every round; but a median clearly below 1.0 whose rounds straddle it
-    # is no proof of "costs nothing" either: the sentence names it and says what to do.
-    unsure = worst.median < 1.0 - CLEAR
-    lowest = (
-        f"the lowest {worst.median:.2f}x, {worst_name}, its rounds {worst.low:.2f}x to "
-        f"{worst.high:.2f}x"
+    return (
+        f"{where}, against a plain DataLoader, {arm} was {_counts(read, len(read))}"
+        f"{_busy(read)}: {advice(r[2] for r in read)}."
     )
-    if faster:
-        gained = (
-            f"{where}, {arm} was faster than a plain DataLoader in {len(faster)} of {n} loops "
-            f"(up to {top})"
-        )
-        if unsure:
-            return (
-                f"{gained} and slower in none for certain ({lowest}): use it, and time your "
-                "own loop against max_prefetch=0 where it looks like that one."
-            )
-        return f"{gained} and slower in none (the lowest {bottom}): switching costs nothing here."
-    alike = (
-        f"{where}, {arm} and a plain DataLoader ran alike in all {n} loops "
-        f"({worst.median:.2f}x to {best.median:.2f}x)"
-    )
-    if unsure:
-        return (
-            f"{alike}, none faster or slower in every round ({lowest}): time your own loop "
-            "against max_prefetch=0 before switching."
-        )
-    return f"{alike}: switching neither gains nor costs here."
