@@ -662,8 +662,7 @@ def format_handoff(handoff: dict[str, Any]) -> str:
             f"max_prefetch={handoff['max_prefetch']}: the thread stage "
             f"{summary['thread_us']:.1f} us a batch above plain ({summary['thread_switches']:.2f}"
             f" switches a batch), the floor {summary['floor_us']:.1f} us "
-            f"({summary['floor_switches']:.2f}); handing over every batch, "
-            f"{summary['handed_over_us']:.1f} us ({summary['handed_over_switches']:.2f})"
+            f"({summary['floor_switches']:.2f})"
         )
     )
     for d, m in handoff["depths"].items():
@@ -772,9 +771,7 @@ def main(argv: list[str] | None = None) -> int:
             {**meta, "handoff_only": True},
             [format_handoff(handoff)],
             f"The threaded hand-off costs {_times(handoff['thread_over_floor'])} the floor's "
-            f"at max_prefetch={args.max_prefetch} on this machine, and "
-            f"{_times(handoff['handed_over_over_floor'])} where the thread hands over every "
-            "batch.",
+            f"at max_prefetch={args.max_prefetch} on this machine.",
             {},
             ("plain", "floor"),
             handoff=handoff,

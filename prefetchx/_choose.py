@@ -26,10 +26,15 @@ What a probe costs where it loses is bounded from the figures the current mode s
   grows with a thread beside it (the GIL, the cores), so the threaded figures bound them;
 * parked, the thread has no such bound; it is taken to cost at most the whole period a batch.
 
-Probes are paced by a ledger: all the probes of a loader together may cost at most `BUDGET` of
-the loop's time, counting the time the loop has run and the rest of the current epoch at its
-pace. So a long epoch of cheap batches probes at once, and a short one of dear batches, where a
-probe would cost a visible share of it, does not probe at all.
+Probes are paced by a ledger of what they cost: each probe window is charged what it took beyond
+the current mode's mean, and a probe starts only where its first window, at the bound above,
+keeps the charges within `BUDGET` of the loop's time, counting the time the loop has run and the
+rest of the current epoch at its pace. A probe goes on past its first window only while it is
+faster than the current mode, so it costs about one window where it loses. So a long epoch of
+cheap batches probes at once, and a short one of dear batches, where a probe would cost a visible
+share of it, does not probe at all. Each probe the current mode wins halves the share until the
+next switch, down to `BUDGET` over ``2 ** MAX_BACKOFF``: where the answer holds, looking again
+costs ever less, and a loop that changed is still looked at again within a bounded time.
 
 `Decision` is the decision alone, fed one window at a time, with no clock and no thread, so that
 it can be tested on numbers. The loader keeps one for its life: each epoch starts in the mode the
@@ -57,6 +62,11 @@ PROBE = 4
 
 Z = 2.0
 """Standard errors of the difference by which a probe's mean must beat the current mode's."""
+
+MAX_BACKOFF = 4
+"""Halvings of `BUDGET` at most while probes keep losing: the tax of looking again falls to
+1/16 of it (0.125% of the loop's time), and a loop that changes is looked at again within 16
+times what it takes to pay one window at `BUDGET`."""
 
 BUDGET = 0.02
 """The share of the loop's time that probes may cost where they lose: well inside the 5% that a
@@ -91,7 +101,8 @@ class Decision:
         self._history: deque[float] = deque(maxlen=HISTORY)
         self._probe: list[float] | None = None  # the other mode's windows, during a probe
         self._elapsed = 0.0  # loop seconds measured
-        self._spent = 0.0  # the cost bounds of the probes made
+        self._spent = 0.0  # what the probes cost: their windows' time beyond the current mode
+        self._backoff = 0  # probes lost in a row since the last switch, up to MAX_BACKOFF
 
     @property
     def wanted(self) -> bool:
@@ -127,19 +138,17 @@ class Decision:
     def _due(self, window: Window) -> bool:
         """Whether a probe now keeps every probe's cost within `BUDGET` of the loop's time."""
         if window.threaded:
-            per_batch = min(window.step, window.produce)
-            if math.isnan(per_batch):
+            known = [v for v in (window.step, window.produce) if not math.isnan(v)]
+            if not known:
                 return False
+            per_batch = min(known)
         else:
             per_batch = window.period
-        cost = PROBE * WINDOW * per_batch
         horizon = self._elapsed
         if window.remaining is not None:
             horizon += window.remaining * window.period
-        if self._spent + cost > BUDGET * horizon:
-            return False
-        self._spent += cost
-        return True
+        share = BUDGET / (1 << self._backoff)
+        return self._spent + WINDOW * per_batch <= share * horizon
 
     def _probed(self, period: float) -> None:
         probe = self._probe
@@ -147,16 +156,18 @@ class Decision:
         probe.append(period)
         history = self._history
         before, after = statistics.fmean(history), statistics.fmean(probe)
-        if after >= before:
-            self._probe = None  # lost: the current mode stays
-            return
+        self._spent += WINDOW * max(0.0, period - before)
         error = statistics.stdev(history) * math.sqrt(1 / len(probe) + 1 / len(history))
-        if after >= before - Z * error:
-            if len(probe) == PROBE:
-                self._probe = None  # not faster beyond doubt: the current mode stays
+        if after >= before or (after >= before - Z * error and len(probe) == PROBE):
+            # Lost: no faster, or not faster beyond doubt. The current mode stays.
+            self._probe = None
+            self._backoff = min(self._backoff + 1, MAX_BACKOFF)
             return
+        if after >= before - Z * error:
+            return  # faster so far, not yet beyond doubt: one more window
         self.threaded = not self.threaded
         self._probe = None
+        self._backoff = 0
         history.clear()
         history.extend(probe)
         self.note = (

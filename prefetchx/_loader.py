@@ -44,13 +44,10 @@ class DataLoaderX(DataLoader[T_co]):
     in a background thread named ``prefetchx-thread``, so the next batch is produced while the
     caller trains on this one.
 
-    A thread helps only where it hides more than it costs, so the iterator measures the loop's
-    time per batch with the thread and without it and keeps the faster: without it, batches
-    are made in the caller's thread, in order, as `DataLoader` makes them (see `ThreadStage`).
-    Where ``num_workers`` is as many as the CPUs the process may use, or more, a switch between
-    the two takes up to seconds to show in the loop's pace (the OS places the threads and the
-    workers anew), so the two are weighed over whole epochs (30 s at most), a switch within an
-    epoch measured only after 0.5 s: the first choice takes 2 to 3 epochs of the loop.
+    A thread helps only where it hides more than it costs: it runs from the second batch, and
+    the loader parks it where the loop is measurably faster without it (batches are then made
+    in the caller's thread, in order, as `DataLoader` makes them), after a probe that costs at
+    most 2% of the loop's time; an epoch starts in the mode the last one left.
     ``loader.stats`` is the stall meter of the epoch started last.
 
     With an accelerator (``device``, or the current accelerator when ``device`` is ``None``), a
@@ -393,8 +390,9 @@ class DataLoaderX(DataLoader[T_co]):
     def close(self) -> None:
         """Stop every iterator of this loader still running, and shut down persistent workers.
 
-        Each iterator's thread is waited for, at most 10 s (as by ``close()`` on an iterator),
-        and so are the threads of iterators dropped earlier that are still finishing a batch.
+        Each iterator's thread is waited for, at most 5 s (as by ``close()`` on an iterator),
+        and so are the threads of iterators dropped earlier that are still finishing a batch; a
+        wait longer than 1 s warns, naming what the thread is inside.
         The loader stays usable: a later ``iter()`` starts afresh.
         """
         kept: Any = self._iterator  # DataLoader's persistent iterator: one of ours

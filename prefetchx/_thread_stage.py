@@ -40,13 +40,13 @@ class ThreadStage(Iterator[T], Generic[T]):
     Nothing happens before the first ``next()``: it makes the first item in the caller's thread
     (so whatever the source does first, such as a sampler's random draw, happens where and when
     it would without the stage), then the thread (`prefetch_generator.BackgroundGenerator`'s,
-    its defects fixed: see `prefetchx._producer.Producer`) makes the items after it. Warnings the
-    source raises in the thread are shown in the caller's thread with the item they came with.
+    its defects fixed: the Design page says how) makes the items after it. Warnings the source
+    raises in the thread are shown in the caller's thread with the item they came with.
 
     `switch` parks the thread, in order: it hands over what it made, and the caller makes the
     items from the next on, until `switch` gives the source back to the thread. A `DataLoaderX`
-    switches on measurement (`prefetchx._choose.Decision`); a stage used on its own keeps its
-    thread running.
+    switches on measurement (the Design page, "Thread or parked: measured"); a stage used on its
+    own keeps its thread running.
 
     Leaving the stage does not wait for the thread: dropping it (garbage collection, an early
     ``break``) or an interrupt asks the thread to stop; a source the thread is not inside is
@@ -127,16 +127,17 @@ class ThreadStage(Iterator[T], Generic[T]):
         return value  # type: ignore[no-any-return]  # an item of the source
 
     def take(self) -> Any:
-        """The next outcome: an item, or a `Failure` holding what the source raised in its place
-        (not raised: whoever faces the loop raises it). `StopIteration` at the end. An interrupt
-        while waiting for the thread is raised and loses nothing."""
+        """The next outcome, for a stage composed after this one: an item, or a value holding
+        what the source raised in its place (not raised: whoever faces the loop raises it).
+        `StopIteration` at the end. An interrupt while waiting for the thread is raised and
+        loses nothing."""
         if self.threaded:
             return self._from_thread()
         return self._make_here()
 
     def take_ahead(self) -> Any:
         """An outcome ahead of the loop, for a stage that works on it early (the device stage's
-        copies), or `Signal.NOT_READY`; never waits for the thread.
+        copies), or a marker saying there is none ready; never waits for the thread.
 
         While the thread runs: one it has ready. While it is parked: one made here and now, as
         the thread would have made it ahead; but never the source's call past ``limit``, which

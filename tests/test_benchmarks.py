@@ -1,13 +1,10 @@
-"""The benchmark programs of issue #16 (``benchmarks/grid.py``, ``jpeg_pipeline.py``,
-``no_work.py``, ``kept_alone.py`` and ``mode_trace.py``) and of issue #64 (``new_loader.py``):
+"""The benchmark programs (``benchmarks/grid.py``, ``jpeg_pipeline.py`` and ``new_loader.py``):
 their quick runs write a table and a JSON record of the expected shape; the full grid's cells;
 the verdicts, read from hand-made numbers."""
 
 from __future__ import annotations
 
-import collections
 import importlib.util
-import itertools
 import json
 import os
 import re
@@ -83,30 +80,6 @@ def _paired(ratios: dict[str, Any], arms: set[str] = ARMS) -> None:
     assert ratios["plain"]["rounds"] == [1.0] * 5
 
 
-def test_the_quick_no_work_run_takes_the_loops_cost_apart(tmp_path: Path) -> None:
-    stem = tmp_path / "no_work"
-    arms = {"plain", "source", "stage", "prefetchx", "windows_5ms"}
-    arms |= {"generator", "wrapper", "c_level"}  # the floors
-    text, record = _recorded(stem, _run("no_work", "--quick", "--out", str(stem)), arms)
-    figures = record["figures"]
-    _paired({name: f["vs_plain"] for name, f in figures.items()}, arms)
-    for name, f in figures.items():
-        assert len(f["epochs_s"]) == 5, name
-        assert f["us_per_batch"] > 0, name
-        assert f"\n{name} " in text, name  # a row of the table
-    assert figures["plain"]["above_plain_us"] == 0.0
-    # The conclusion quotes DataLoaderX's own figures, as the table shows them.
-    ours = figures["prefetchx"]
-    assert f"{ours['vs_plain']['median']:.3f}x plain" in record["conclusion"]
-    assert f"{ours['above_plain_us']:.2f} us a batch" in record["conclusion"]
-
-
-def test_no_work_refuses_fewer_rounds_than_a_paired_figure_needs() -> None:
-    done = _run("no_work", "--rounds", "3")
-    assert done.returncode == 2
-    assert "--rounds must be at least 5, got 3" in done.stderr
-
-
 def test_the_quick_grid_writes_its_table_and_record(tmp_path: Path) -> None:
     text, record = _recorded(
         tmp_path / "grid", _run("grid", "--quick", "--out", str(tmp_path / "grid")), GRID_ARMS
@@ -123,7 +96,7 @@ def test_the_quick_grid_writes_its_table_and_record(tmp_path: Path) -> None:
     assert summary["worst"]["cell"] in {c["label"] for c in cells}
     assert summary["no_work"]["cell"] == "none, D 0 us, C 0 us, 0 workers"
     handoff = record["handoff"]
-    assert set(handoff["extra_us_per_batch"]) == {"plain", "thread", "handed over", "floor"}
+    assert set(handoff["extra_us_per_batch"]) == {"plain", "thread", "floor"}
     assert handoff["switches_per_batch"]["thread"] >= 0
     assert set(handoff["depths"]) == {"4", "8", "32"}
     grid = _program("grid")
@@ -143,7 +116,6 @@ def test_the_quick_grid_writes_its_table_and_record(tmp_path: Path) -> None:
         "hand-off, deeper queues, over the floor's: max_prefetch=4 ",
     ):
         assert f"\n  {line}" in text, line
-    assert "every batch handed over: " in " ".join(text.split())
     # Exactly the cells near a target were measured again, in the arms the targets read.
     looked = [c for c in cells if "second_look" in c]
     assert looked == [c for c in cells if grid.second_look_due(c)]
@@ -200,10 +172,9 @@ def _cell(
 def _handoff() -> dict[str, Any]:
     """A hand-off measurement, as the grid's summary reads it."""
     return {
-        "extra_us_per_batch": {"thread": 20.0, "floor": 10.0, "handed over": 30.0},
-        "switches_per_batch": {"thread": 1.0, "floor": 1.0, "handed over": 2.0},
+        "extra_us_per_batch": {"thread": 20.0, "floor": 10.0},
+        "switches_per_batch": {"thread": 1.0, "floor": 1.0},
         "thread_over_floor": 2.0,
-        "handed_over_over_floor": 3.0,
         "depths": {},
     }
 
@@ -311,14 +282,12 @@ def test_the_quick_handoff_alone_measures_the_deeper_queues_too(tmp_path: Path) 
     assert record["meta"]["handoff_only"] is True
     handoff = record["handoff"]
     assert handoff["max_prefetch"] == 2
-    assert set(handoff["extra_us_per_batch"]) == {"plain", "thread", "handed over", "floor"}
+    assert set(handoff["extra_us_per_batch"]) == {"plain", "thread", "floor"}
     assert set(handoff["depths"]) == {"4", "8", "32"}
     for depth, measured in handoff["depths"].items():
         assert len(handoff["epochs_s"][f"depth {depth}"]) == 5  # paired with plain's rounds
         assert measured["switches_per_batch"] >= 0
         assert f"max_prefetch={depth}: the thread stage " in text
-    assert "; handing over every batch, " in text
-    assert len(handoff["epochs_s"]["handed over"]) == 5
     assert set(record["summary"]["depths"]) == set(handoff["depths"])
     assert " ".join(text.strip().split("\n\n")[-1].split()) == record["conclusion"]
 
@@ -528,310 +497,6 @@ def test_the_full_grid_covers_every_cost_kind_worker_count_and_shape() -> None:
 def test_the_grid_measures_a_dataloaders_own_cost_per_batch() -> None:
     grid = _program("grid")
     assert 0 < grid.loader_overhead_ms(0, batches=50) < 50.0
-
-
-def test_the_quick_kept_alone_run_counts_the_epochs_each_chooser_kept_the_loop_alone(
-    tmp_path: Path,
-) -> None:
-    # The chooser of --before never tries the thread (nothing is worth hiding to it), so it
-    # keeps the loop alone in every epoch: what the program counts comes from that chooser.
-    source = (ROOT / "prefetchx" / "_adapt.py").read_text()
-    assert "\nHIDE_AT_LEAST_S = 10e-6\n" in source
-    never = tmp_path / "never.py"
-    never.write_text(source.replace("\nHIDE_AT_LEAST_S = 10e-6\n", "\nHIDE_AT_LEAST_S = 1e9\n"))
-    stem = tmp_path / "kept"
-    done = _run("kept_alone", "--quick", "--before", str(never), "--out", str(stem))
-    assert done.returncode == 0, done.stderr
-    text = Path(f"{stem}.txt").read_text()
-    record = json.loads(Path(f"{stem}.json").read_text())
-    meta = record["meta"]
-    assert meta["commit"] in text.splitlines()[0]
-    assert (meta["runs"], meta["epochs"]) == (2, 3)
-    assert len(record["runs"]) == 2
-    for run in record["runs"]:
-        assert set(run["epochs_s"]) == {"plain", "prefetchx", "thread", "before"}
-        assert all(len(times) == 3 for times in run["epochs_s"].values())
-        assert run["alone"]["before"] == [True] * 3
-    figures = record["figures"]
-    before, ours = figures["before"], figures["prefetchx"]
-    assert (before["alone_epochs"], before["epochs"]) == (4, 4)  # the first of each run left out
-    assert (before["alone_runs"], before["runs"]) == (0, 2)  # 2 counted epochs: under 4 in a row
-    assert 0 <= ours["alone_epochs"] <= ours["epochs"] == 4
-    assert "alone_epochs" not in figures["thread"]
-    for arm in ("plain", "prefetchx", "thread", "before"):
-        assert f"\n{arm} " in text
-    assert figures["plain"]["vs_plain_median"] == 1.0
-    assert f"{ours['alone_epochs']} of 4 epochs" in record["conclusion"]
-    assert record["conclusion"] in text
-
-
-@pytest.mark.parametrize(
-    ("shape", "cell"),
-    [
-        ("python", "python, D 5000 us, C 5000 us, 0 workers"),
-        ("workers", "numpy, D 20 us, C 20 us, 2 workers"),
-    ],
-)
-def test_kept_alone_counts_the_thread_kept_where_the_loop_alone_is_faster(
-    shape: str, cell: str, tmp_path: Path
-) -> None:
-    # The pure-Python loop, and the grid's worst cell with its workers: there the loop alone is
-    # the faster mode, so the slower one counted is the thread. The chooser of --before never
-    # tries the thread: it kept it in no epoch.
-    source = (ROOT / "prefetchx" / "_adapt.py").read_text()
-    never = tmp_path / "never.py"
-    never.write_text(source.replace("\nHIDE_AT_LEAST_S = 10e-6\n", "\nHIDE_AT_LEAST_S = 1e9\n"))
-    stem = tmp_path / "kept"
-    args = ("--quick", "--shape", shape, "--no-thread", "--before", str(never))
-    done = _run("kept_alone", *args, "--out", str(stem))
-    assert done.returncode == 0, done.stderr
-    text = Path(f"{stem}.txt").read_text()
-    record = json.loads(Path(f"{stem}.json").read_text())
-    assert record["cell"].startswith(cell)
-    before, ours = record["figures"]["before"], record["figures"]["prefetchx"]
-    assert (before["thread_epochs"], before["alone_epochs"], before["thread_runs"]) == (0, 4, 0)
-    for figures in (before, ours):
-        assert figures["thread_epochs"] + figures["alone_epochs"] == figures["epochs"] == 4
-    assert "  thread kept\n" in text
-    assert f"DataLoaderX kept the thread in {ours['thread_epochs']} of 4 epochs" in text
-    assert "The chooser of --before: 0 of 4 epochs, 0 of 2 runs" in record["conclusion"]
-
-
-@pytest.mark.parametrize(
-    ("args", "shown"),
-    [
-        (["--epochs", "1"], "argument --epochs: must be >= 2, got 1"),
-        (["--before", "{tmp}/missing.py"], "--before: no file '{tmp}/missing.py'"),
-        (["--before", "{tmp}/empty.py"], "'{tmp}/empty.py' has no Chooser or Memory"),
-        (["--workers", "-1"], "argument --workers: must be >= 0, got -1"),
-        (["--workers", "two"], "argument --workers: must be an integer >= 0, got 'two'"),
-        (["--shape", "python", "--workers", "2"], "--workers is for the shaped numpy loops"),
-        (["--cell", "jpeg,20,200"], "argument --cell: expected KIND,D,C with KIND one of"),
-        (["--cell", "python,20"], "argument --cell: expected KIND,D,C"),
-        (["--cell", "python,x,200"], "argument --cell: D and C must be numbers of us"),
-        (["--cell", "python,-1,200"], "argument --cell: D and C must be 0 or more"),
-        (["--cell", "python,20,200", "--no-thread"], "--cell reads the loop's slower mode"),
-    ],
-)
-def test_kept_alone_refuses_a_bad_option_before_anything_runs(
-    args: list[str], shown: str, tmp_path: Path
-) -> None:
-    (tmp_path / "empty.py").write_text("")
-    done = _run("kept_alone", *[a.replace("{tmp}", str(tmp_path)) for a in args])
-    assert done.returncode == 2
-    assert shown.replace("{tmp}", str(tmp_path)) in done.stderr
-    assert "Traceback" not in done.stderr
-    assert done.stdout == ""
-
-
-@pytest.mark.parametrize("workers", [0, 2])
-def test_kept_alone_runs_a_shaped_loop_with_the_workers_asked_for(
-    workers: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The grid's numpy phases with 2 workers: where the workers take every CPU of the 2-core VM.
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    kept = _program("kept_alone")
-    cell = kept.the_loop("phases", 20.0, workers)
-    assert (cell.kind, cell.workers, cell.shape) == ("numpy", workers, "phases")
-    assert cell.label.endswith(f"{workers} workers")
-
-
-def test_kept_alone_runs_one_cell_of_the_grid_beside_the_recipe(tmp_path: Path) -> None:
-    # A sleep loop of 200 us of data and of step: the thread hides the data, so the slower mode
-    # read from the run is the loop alone. The recipe runs in every epoch, as the others do.
-    stem = tmp_path / "kept"
-    args = ("--quick", "--cell", "sleep,200,200", "--recipe", "--out", str(stem))
-    done = _run("kept_alone", *args)
-    assert done.returncode == 0, done.stderr
-    record = json.loads(Path(f"{stem}.json").read_text())
-    assert record["cell"].startswith("sleep, D 200 us, C 200 us, 0 workers")
-    assert (record["meta"]["shape"], record["meta"]["recipe"]) == ("cell", True)
-    assert set(record["figures"]) == {"plain", "prefetchx", "thread", "recipe"}
-    assert all(len(run["epochs_s"]["recipe"]) == 3 for run in record["runs"])
-    recipe = record["figures"]["recipe"]["vs_plain_median"]
-    assert f"and the recipe {recipe:.3f}x." in record["conclusion"]
-    thread = record["figures"]["thread"]["vs_plain_median"]
-    slower = "loop alone" if thread > 1.0 else "thread"
-    assert f"DataLoaderX kept the {slower} in " in record["conclusion"]
-
-
-def test_a_cell_run_counts_the_mode_its_thread_arm_says_is_slower(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    kept = _program("kept_alone")
-    won = {"thread": {"vs_plain_median": 1.2}}
-    lost = {"thread": {"vs_plain_median": 0.9}}
-    assert kept.counted("cell", won).prefix == "alone"
-    assert kept.counted("cell", lost).prefix == "thread"
-    with pytest.raises(ValueError, match="thread arm"):
-        kept.counted("cell", {})
-
-
-def test_kept_alone_without_the_thread_arm_runs_the_others_alone(tmp_path: Path) -> None:
-    stem = tmp_path / "kept"
-    done = _run("kept_alone", "--quick", "--no-thread", "--out", str(stem))
-    assert done.returncode == 0, done.stderr
-    record = json.loads(Path(f"{stem}.json").read_text())
-    assert record["meta"]["thread"] is False
-    assert set(record["figures"]) == {"plain", "prefetchx"}
-    assert all(set(run["epochs_s"]) == {"plain", "prefetchx"} for run in record["runs"])
-    assert "thread kept on" not in record["conclusion"]
-
-
-def test_kept_alone_gives_its_two_choosers_every_place_alike(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Over as many runs as the design's cycle, DataLoaderX and the --before copy each run in
-    # each place of an epoch, and right after their own last epoch, equally often. Reversing
-    # the order at every other epoch ran --before twice in a row at every other epoch's end,
-    # and DataLoaderX never.
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    kept = _program("kept_alone")
-    before = kept.load_chooser(str(ROOT / "prefetchx" / "_adapt.py"))
-    order: list[str] = []
-
-    def run_epoch(loader: Any, steps: Any) -> float:
-        memory = getattr(getattr(loader, "_pipeline", None), "memory", None)
-        if memory is None:
-            order.append("plain")
-        else:
-            order.append("before" if type(memory).__module__ == before.__name__ else "prefetchx")
-        return 1.0
-
-    monkeypatch.setattr(kept, "run_epoch", run_epoch)
-    cell = kept.the_loop(kept.PYTHON, 20.0)
-    epochs = 6
-    for run in range(6):
-        kept.one_run(cell, epochs, before, thread=False, start=run)
-    rounds = [order[i : i + 3] for i in range(0, len(order), 3)]
-    assert len(rounds) == 36
-    for place in range(3):
-        at = [r[place] for r in rounds]
-        assert at.count("prefetchx") == at.count("before") == 12
-    runs = [rounds[i : i + epochs] for i in range(0, len(rounds), epochs)]
-    again = collections.Counter(
-        b[0] for run in runs for a, b in itertools.pairwise(run) if a[-1] == b[0]
-    )
-    assert again["prefetchx"] == again["before"] > 0
-
-
-def test_the_quick_mode_trace_alternates_the_modes_and_records_every_window(
-    tmp_path: Path,
-) -> None:
-    stem = tmp_path / "trace"
-    done = _run("mode_trace", "--quick", "--workers", "0", "--out", str(stem))
-    assert done.returncode == 0, done.stderr
-    text = Path(f"{stem}.txt").read_text()
-    record = json.loads(Path(f"{stem}.json").read_text())
-    meta = record["meta"]
-    assert meta["commit"] in text.splitlines()[0]
-    assert (meta["quick"], meta["block"], meta["workers"]) == (True, 4, 0)
-    windows = record["windows"]
-    measured = [w for w in windows if not w[2]]
-    # The modes alternate: each run of measured windows of one mode is the block, 4 windows,
-    # and a settling window of the mode's own length opens every run but the first.
-    runs = [list(group) for _, group in itertools.groupby(measured, key=lambda w: w[1])]
-    assert len(runs) >= 4
-    assert {len(run) for run in runs[1:-1]} == {4}
-    assert {w[1] for w in measured} == {True, False}
-    settling = [w for w in windows if w[2]]
-    assert settling
-    assert {w[3] for w in settling if w[1]} == {4}  # SETTLE
-    assert {w[3] for w in settling if not w[1]} <= {1}  # SETTLE_INLINE
-    figures = record["figures"]
-    assert figures["block_windows"] == 4
-    assert [row["place"] for row in figures["places"]] == [0, 1, 2, 3]
-    assert figures["first"] > 0
-    assert figures["settled"] > 0
-    assert record["conclusion"] in " ".join(text.split())
-    assert "(A quick run" in record["conclusion"]
-
-
-def test_mode_trace_pairs_each_thread_block_with_the_blocks_either_side(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    trace = _program("mode_trace")
-    window = trace.Window
-    windows = []
-    # The loop alone at 1.0; the thread as fast in its block's first 2 windows, then 1.5: a
-    # probe sees the two alike where the thread settles 50% slower (the grid's worst cell).
-    for n in range(7):
-        threaded = n % 2 == 1
-        windows.append(window(0.0, threaded, True, 4 if threaded else 1, 9.0))
-        for place in range(4):
-            period = (1.0 if place < 2 else 1.5) if threaded else 1.0
-            windows.append(window(0.0, threaded, False, 16, period))
-    figures = trace.summarize(windows)
-    assert figures["blocks"] == 5  # the first and the last left out
-    assert figures["first"] == pytest.approx(1.0)
-    assert figures["settled"] == pytest.approx(1.5)
-    assert figures["places"][0]["thread"] == 1.0
-    assert figures["places"][3]["thread"] == 1.5
-    assert figures["places"][3]["alone"] == 1.0
-    assert "a probe misreads this loop" in trace.conclude(figures, quick=False)
-    figures["first"] = 1.45
-    assert "a probe reads this loop as it settles" in trace.conclude(figures, quick=False)
-
-
-@pytest.mark.parametrize(
-    ("args", "shown"),
-    [
-        (["--block", "0"], "argument --block: must be an integer above 0, got '0'"),
-        (["--seconds", "-1"], "argument --seconds: must be a number above 0, got '-1'"),
-        (["--pin", "--workers", "0"], "--pin places the workers: give --workers 1 or more"),
-        (["--data-us", "-20"], "argument --data-us: must be a number >= 0, got '-20'"),
-        (["--workers", "two"], "argument --workers: must be an integer >= 0, got 'two'"),
-    ],
-)
-def test_mode_trace_refuses_a_bad_option_before_anything_runs(args: list[str], shown: str) -> None:
-    done = _run("mode_trace", *args)
-    assert done.returncode == 2
-    assert shown in done.stderr
-    assert "Traceback" not in done.stderr
-    assert done.stdout == ""
-
-
-def test_the_quick_steal_run_times_the_thread_with_and_without_taking_its_calls(
-    tmp_path: Path,
-) -> None:
-    stem = tmp_path / "steal"
-    done = _run("steal", "--quick", "--cell", "sleep,200,200", "--workers", "1", "--out", str(stem))
-    assert done.returncode == 0, done.stderr
-    text = Path(f"{stem}.txt").read_text()
-    record = json.loads(Path(f"{stem}.json").read_text())
-    assert record["cell"].startswith("sleep, D 200 us, C 200 us, 1 workers")
-    assert set(record["figures"]) == {"plain", "steal", "no steal", "recipe"}
-    assert all(len(times) == 3 for times in record["epochs_s"].values())
-    assert record["figures"]["plain"] == 1.0
-    got = record["figures"]
-    assert f"({got['no steal']:.3f}x against {got['steal']:.3f}x plain" in record["conclusion"]
-    assert record["conclusion"] in text
-    assert text.splitlines()[0].startswith("prefetchx ")
-
-
-def test_a_steal_run_with_noise_burns_cpus_beside_its_rounds_and_stops_them(
-    tmp_path: Path,
-) -> None:
-    stem = tmp_path / "steal"
-    args = ["--quick", "--cell", "sleep,200,200", "--workers", "0", "--noise", "1"]
-    # A burner left running would keep the program from exiting: `_run` would time out.
-    done = _run("steal", *args, "--out", str(stem))
-    assert done.returncode == 0, done.stderr
-    record = json.loads(Path(f"{stem}.json").read_text())
-    assert record["meta"]["noise"] == 1
-    assert "1 processes burning CPUs in bursts beside" in Path(f"{stem}.txt").read_text()
-
-
-@pytest.mark.parametrize("program", ["steal", "kept_alone"])
-def test_any_number_of_workers_sizes_a_cell(program: str, tmp_path: Path) -> None:
-    # The grid sizes epochs from its cost of a batch with 0 and with 2 workers only: 3 workers
-    # raised KeyError before the first epoch.
-    args = ["--quick", "--workers", "3", "--cell", "sleep,20,20"]
-    done = _run(program, *args, "--out", str(tmp_path / program))
-    assert done.returncode == 0, done.stderr
-    assert "3 workers" in json.loads((tmp_path / f"{program}.json").read_text())["cell"]
 
 
 # --- new_loader.py (issue #64) --------------------------------------------------------------------

@@ -174,6 +174,6 @@ def test_probes_cost_at_most_the_budget_where_they_lose() -> None:
     probe_windows = modes.count(False)
     assert probe_windows > 0  # it does look again
     lost = probe_windows * WINDOW * (2e-3 - 1e-3)
-    total = len(modes) * WINDOW * 1e-3
+    total = modes.count(True) * WINDOW * 1e-3 + probe_windows * WINDOW * 2e-3
     assert lost <= BUDGET * total
     assert decision.threaded

@@ -426,21 +426,14 @@ def test_the_api_reference_names_no_private_object() -> None:
 
 def test_the_numbers_the_reference_gives_are_the_constants() -> None:
     # It gives them instead of naming the private constants; this keeps them true.
-    from prefetchx import _adapt, _engine, _stats, _thread_stage
+    from prefetchx import _choose, _engine, _stats
+    from prefetchx._loader import DataLoaderX
     from prefetchx._stats import EpochStats
     from prefetchx._thread_stage import ThreadStage
 
     def words(text: str | None) -> str:
         return " ".join((text or "").split())
 
-    stage = words(ThreadStage.__doc__)
-    assert f"windows of {_adapt.WINDOW} items" in stage
-    assert f"changes by more than {_adapt.CHANGED:.0%}" in stage
-    assert f"at most every {_adapt.MAX_BACKOFF} windows" in stage
-    assert f"the first {_adapt.FIRST} items after the first" in stage
-    assert f"take at least {_adapt.HIDE_AT_LEAST_S * 1e6:g} us" in stage
-    assert f"under {_thread_stage.COARSE_BELOW_S * 1e6:g} us an item" in stage
-    assert f"window of about {_thread_stage.COARSE_SPAN_S * 1e3:g} ms" in stage
-    assert f"each window of {_thread_stage.COARSE_WINDOW} items at most" in stage
     assert f"Waits up to {_engine.JOIN_TIMEOUT:g} s" in words(ThreadStage.close.__doc__)
+    assert f"at most {_choose.BUDGET:.0%} of the loop's time" in words(DataLoaderX.__doc__)
     assert f"most recent {_stats.WINDOW} samples" in words(EpochStats.__doc__)
