@@ -26,6 +26,10 @@
 #                         after a CPU part of about 15 s and no JPEG rows. For a session short
 #                         of time: at 46e88dd the whole bench outgrew 110 s in its JPEG rows,
 #                         before its CUDA section began.                         (#15 runs 3-4)
+#   new-loaders           benchmarks/new_loader.py (issue #64's cells but the 200-item demo, 5
+#                         rounds) on the host's CPUs, then benchmarks/gpu/new_loader_step.py: a
+#                         new loader's first epoch in the end-to-end step against apex-style
+#                         and timm-style prefetchers, 9 paired rounds.          (#67 run 2)
 #   scripts               benchmarks/gpu/memory.py, step_options.py and threads.py, one after
 #                         another into the one file: memory over 20 epochs and after a break,
 #                         the compute-bound step and the options, the main thread's torch
@@ -62,7 +66,7 @@ set -uo pipefail
 
 usage() {
     echo "usage: benchmarks/gpu_run.sh STEP OUTDIR" >&2
-    echo "  STEP: cuda-tests, cuda-tests-sanitized, bench, bench-quick, scripts, paired or suite" >&2
+    echo "  STEP: cuda-tests, cuda-tests-sanitized, new-loaders, bench, bench-quick, scripts, paired or suite" >&2
     echo "  (see the header)" >&2
     exit 2
 }
@@ -70,7 +74,7 @@ usage() {
 [ $# -eq 2 ] || usage
 step=$1
 case "$step" in
-cuda-tests | cuda-tests-sanitized | bench | bench-quick | scripts | paired | suite) ;;
+cuda-tests | cuda-tests-sanitized | new-loaders | bench | bench-quick | scripts | paired | suite) ;;
 *) usage ;;
 esac
 out=$2
@@ -140,6 +144,13 @@ cuda-tests-sanitized)
     # worker cannot initialize. The unsanitized step runs them.
     TORCH_CUDA_SANITIZER=1 run_pytest -m cuda tests \
         --ignore tests/test_docs.py --ignore tests/test_examples.py
+    ;;
+new-loaders)
+    # Issue #64's new-loader cells on the host's CPUs (the 200-item demo left out: 6 minutes),
+    # then a new loader's first epoch in the end-to-end step against apex and timm's prefetchers.
+    logged capped "$python" benchmarks/new_loader.py --rounds 5 --only '^(?!seed demo, 200)' \
+        --out "$out/new_loader-$slug"
+    logged capped "$python" benchmarks/gpu/new_loader_step.py --rounds 9
     ;;
 bench)
     logged capped "$python" -m prefetchx bench --json "$out/bench-$slug.json"

@@ -327,6 +327,49 @@ def test_resume_counts_batches_received_not_batches_on_the_device(
     assert got + rest == expected
 
 
+@pytest.mark.adaptive
+@pytest.mark.parametrize("exit_by", ["break", "drop"])
+def test_a_state_after_leaving_a_fast_gpu_loop_counts_what_the_loop_received(
+    exit_by: str,
+) -> None:
+    # A GPU loop whose step only queues kernels runs far ahead of the GPU: each batch takes
+    # microseconds on the host, and the loader soon parks its thread. A state taken after
+    # leaving the loop must count the batches the loop received (#63, item 1), and resume
+    # there, with every batch's values the uninterrupted run's.
+    def make() -> DataLoaderX[Any]:
+        return DataLoaderX(
+            Images(1000), batch_size=1, shuffle=True, device="cuda",
+            generator=torch.Generator().manual_seed(3), mean=MEAN, std=STD,
+        )  # fmt: skip
+
+    weight = torch.randn(16, device="cuda")
+
+    def step(x: torch.Tensor) -> None:
+        (x.flatten(1)[:, :16] * weight).sum()  # queued, never waited for
+
+    expected = [(labels.tolist(), x.cpu()) for x, labels, _ in make()]
+    loader = make()
+    got = []
+    it = iter(loader)
+    for x, labels, _ in it:
+        step(x)
+        got.append((labels.tolist(), x.cpu() if len(got) % 97 == 0 else None))
+        if len(got) == 700:
+            break
+    if exit_by == "drop":
+        del it
+    state = loader.state_dict()
+    assert state["consumed"] == 700
+    assert loader.stats.batches == 700
+    resumed = make()
+    resumed.load_state_dict(state)
+    got += [(labels.tolist(), x.cpu()) for x, labels, _ in resumed]
+    assert [labels for labels, _ in got] == [labels for labels, _ in expected]
+    for (_, x), (_, want) in zip(got, expected, strict=True):
+        if x is not None:
+            assert torch.equal(x, want)
+
+
 class Planted(CudaStreams):
     """The real stream operations with protections removed, the side stream optionally slowed."""
 

@@ -34,9 +34,8 @@ def test_a_bad_call_prints_the_usage_and_exits_2(args: tuple[str, ...], tmp_path
     done = _run(*(str(tmp_path / a) if a == "out" else a for a in args), cwd=tmp_path)
     assert done.returncode == 2
     assert "usage: benchmarks/gpu_run.sh STEP OUTDIR" in done.stderr
-    assert "cuda-tests, cuda-tests-sanitized, bench, bench-quick, scripts, paired or suite" in (
-        done.stderr
-    )
+    steps = "cuda-tests, cuda-tests-sanitized, new-loaders, bench, bench-quick, scripts, paired"
+    assert f"{steps} or suite" in done.stderr
     assert done.stdout == ""
 
 
