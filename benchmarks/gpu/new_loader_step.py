@@ -16,6 +16,7 @@ apex-style's in the same round, with the lowest and highest round. GPU only.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -72,6 +73,10 @@ def main() -> None:
     }
 
     def first_epoch(make: Callable[[], Iterable[Any]]) -> float:
+        # Workers fork from a process whose CUDA is initialized; a forked worker that frees a
+        # CUDA tensor (cyclic garbage it inherited, collected there) aborts. Collected here
+        # first, untimed.
+        gc.collect()
         torch.cuda.synchronize()
         start = time.perf_counter()
         for x, y in make():
