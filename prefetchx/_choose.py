@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from typing import NamedTuple
 
 WINDOW = 8
 """Batches in a measured window. A losing probe usually costs one window, and a loader's first
@@ -73,8 +73,7 @@ BUDGET = 0.02
 paired ratio of two runs moves by on a shared 2-core machine, and that the targets allow."""
 
 
-@dataclass(frozen=True)
-class Window:
+class Window(NamedTuple):
     """One measured window of the loop: `WINDOW` batches in one mode."""
 
     threaded: bool

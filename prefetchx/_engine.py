@@ -27,11 +27,12 @@ what DataLoader itself waits for each worker process when it shuts them down (it
 ``MP_STATUS_CHECK_INTERVAL``, 5 s), before it gives up on it."""
 
 LET_GO_WAIT = 1.0
-"""Seconds a dropped iterator waits, at most, for its thread to return from a call of a
-DataLoader iterator with workers, so that it can release that iterator, and shut its workers
-down, in the dropping thread, as DataLoader's own dropped iterator does (see
-`prefetchx._producer.Producer.stop`). Such a call returns as soon as a worker hands over a batch;
-a longer wait is left to the `Reaper`."""
+"""Seconds a dropped iterator waits, at most, for its DataLoader workers to finish the item each
+is making, where its thread is inside the DataLoader iterator: joined here, before the drop
+returns, as DataLoader's own shutdown joins them, and never later in another thread, where a
+join racing with the caller's own join of a worker can take it for alive. A worker busy longer
+(an item of many seconds) is left to DataLoader's shutdown when the thread lets go: an exception
+or Ctrl-C in the loop never waits longer than this for it (FIELD.md, pitfall 19)."""
 
 WARN_AFTER = 1.0
 """Seconds a wait for a stopped thread lasts before a warning says what it waits for: past the
@@ -106,13 +107,13 @@ class Reaped(BaseException):
 class Reaper:
     """Makes stopped threads let go of abandoned sources they are stuck in.
 
-    DataLoader shuts a dropped iterator's workers down in ``__del__``, terminating a worker that
-    does not answer. A thread waiting in that iterator for a worker that never answers keeps it
-    referenced, so ``__del__`` never runs. A thread watched here that is still in the same call
-    of its source `REAP_AFTER` seconds after it was stopped gets `Reaped` raised in it (CPython's
-    ``PyThreadState_SetAsyncExc``), which it receives the next time it runs Python code
-    (DataLoader's wait loop does every 5 s); it then ends and releases the source, whose
-    ``__del__`` shuts the workers down.
+    A dropped DataLoaderX iterator tells its DataLoader iterator's workers to stop, even where its
+    thread is inside that iterator waiting for a worker's batch. That wait then never ends:
+    DataLoader re-checks its workers every 5 s, finds none failed (they were told to stop), and
+    waits again. A thread watched here that is still in
+    the same call of its source `REAP_AFTER` seconds after it was stopped gets `Reaped` raised in
+    it (CPython's ``PyThreadState_SetAsyncExc``), which it receives the next time it runs Python
+    code (at DataLoader's next re-check); it then ends and releases the source.
 
     Only sources whose calls are safe to abandon are watched: a DataLoader multiprocessing
     iterator that nothing else uses. The reaper thread runs only while it watches something.
@@ -122,6 +123,7 @@ class Reaper:
         self._lock = threading.Lock()
         self._watched: list[tuple[float, Any, int]] = []
         self._thread: threading.Thread | None = None
+        self._look = threading.Event()  # wakes the reaper to look again at once
 
     def watch(self, producer: Any, delay: float = REAP_AFTER) -> None:
         """Reap ``producer`` if it is still in its current call after ``delay`` seconds.
@@ -153,12 +155,14 @@ class Reaper:
             for _, producer, calls in due:
                 if producer.is_alive() and producer.in_source and producer.calls == calls:
                     _raise_in(producer, Reaped)
-            time.sleep(POLL_INTERVAL)
+            self._look.wait(POLL_INTERVAL)
+            self._look.clear()
 
     def idle(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for the reaper to have nothing left to watch."""
+        """Wait up to ``timeout`` seconds for the reaper to have nothing left to watch, and end."""
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
+            self._look.set()
             thread.join(timeout)
 
 
@@ -171,9 +175,11 @@ def _raise_in(thread: threading.Thread, exc_type: type[BaseException]) -> None:
     )
     if changed > 1:  # never expected; undo rather than hit another thread
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), None)
-    logger.warning(
-        "prefetchx: thread %r was still waiting in an abandoned DataLoader iterator %.0f s "
-        "after it was stopped; made it let go so the workers shut down.",
+    # Routine since a dropped iterator tells its workers to stop: the thread was left in a wait
+    # on their (now silent) result queue, which DataLoader re-checks every 5 s, forever.
+    logger.debug(
+        "prefetchx: thread %r was still in an abandoned DataLoader iterator %.0f s after it was "
+        "stopped; made it let go.",
         thread.name,
         REAP_AFTER,
     )

@@ -24,11 +24,12 @@ Lifecycle of one iterator:
 * ended: the DataLoader iterator raised `StopIteration`; so does every later ``next()``.
 * closed (`close`, a ``with`` block): the thread is stopped and waited for, bounded, and the
   DataLoader iterator released unless the loader keeps it (persistent workers).
-* dropped (garbage collection, an early ``break``): the thread is asked to stop; only a
-  DataLoader iterator with workers is waited for (at most 1 s, for the call the thread is in)
-  and released then, in the dropping thread, so that its workers shut down there, as
-  DataLoader's do. An iterator kept for persistent workers is released too: its loader, which
-  kept it, is gone.
+* dropped (garbage collection, an early ``break``): the thread is asked to stop, and never
+  waited for; a DataLoader iterator it is not inside is released then, and shuts its workers
+  down in the dropping thread, as DataLoader's own does; where the thread is inside it, its
+  workers are shut down there all the same (a worker busy over 1 s is left to DataLoader's
+  shutdown when the thread lets go), and the thread is woken to let go. An iterator kept for
+  persistent workers is released too: its loader, which kept it, is gone.
 * reset (persistent workers only, DataLoader calls ``_reset``): the old epoch's thread is stopped
   and waited for, bounded, before the DataLoader iterator is reset on the calling thread; a
   thread still inside it after the wait makes the reset fail with `RuntimeError` rather than
@@ -37,8 +38,13 @@ Lifecycle of one iterator:
 
 from __future__ import annotations
 
+import contextlib
 import math
+import queue
+import sys
+import time
 from collections.abc import Iterator
+from multiprocessing.reduction import ForkingPickler
 from time import perf_counter
 from typing import Any, Generic, TypeVar
 
@@ -123,7 +129,6 @@ class PrefetchIterator(Iterator[T], Generic[T]):
         )
         self._thread = thread
         self._stage = stage
-        self._take = stage.take
         decision = self._decision = self._pipeline.decision if thread.max_prefetch else None
         if decision is not None:
             thread.switch(decision.wanted)
@@ -155,7 +160,28 @@ class PrefetchIterator(Iterator[T], Generic[T]):
         if self._held is not None:  # taken before an interrupt (see below): hand it over now
             value, self._held = self._held[0], None
         else:
-            value = self._next_outcome(asked)
+            thread = self._thread
+            generation = thread.generation
+            try:
+                value = self._stage.take()
+            except StopIteration:
+                self._finish()
+                raise
+            # Taken from the thread's queue where it ran before and after, with no switch
+            # between; then it also runs beside the step that follows.
+            self._beside = thread.threaded
+            if self._beside and thread.generation == generation:
+                self._stats.from_thread += 1
+            self._countdown -= 1
+            if not self._countdown:
+                try:
+                    self._mark(perf_counter(), asked)
+                except BaseException:
+                    # An interrupt (Ctrl-C) while the meter decides: raised now, as any, and
+                    # the outcome already taken comes with the next next(), as after an
+                    # interrupted wait.
+                    self._held = (value,)
+                    raise
         now = self._returned = perf_counter()
         self._add_wait(now - asked)  # counts the outcome: last, right before it is handed over
         if value.__class__ is Failure:
@@ -163,33 +189,6 @@ class PrefetchIterator(Iterator[T], Generic[T]):
             del self  # the traceback keeps this frame: it must not keep the iterator alive
             value.reraise()
         return value  # type: ignore[no-any-return]  # an item of the source
-
-    def _next_outcome(self, asked: float) -> Any:
-        thread = self._thread
-        generation = thread.generation
-        try:
-            value = self._take()
-        except StopIteration:
-            self._finish()
-            raise
-        # Taken from the thread's queue where it ran before and after, with no switch between;
-        # then it also runs beside the step that follows.
-        if thread.threaded:
-            self._beside = True
-            if thread.generation == generation:
-                self._stats.from_thread += 1
-        else:
-            self._beside = False
-        self._countdown -= 1
-        if not self._countdown:
-            try:
-                self._mark(perf_counter(), asked)
-            except BaseException:
-                # An interrupt (Ctrl-C) while the meter decides: raised now, as any, and the
-                # outcome already taken comes with the next next(), as after an interrupted wait.
-                self._held = (value,)
-                raise
-        return value
 
     def _mark(self, now: float, asked: float) -> None:
         """The end of a stretch of the meter: hand a measured window to the decision, switch
@@ -327,15 +326,19 @@ class PrefetchIterator(Iterator[T], Generic[T]):
         self.close()
 
     def __del__(self) -> None:
-        # Collected: so is whatever kept its DataLoader iterator for persistent workers (the
-        # loader holds this iterator while it keeps it). Nothing else uses that iterator now:
-        # its workers shut down where the loop dropped this, as DataLoader's would.
+        # Collected: nothing else uses its DataLoader iterator (a kept one's loader is gone too).
+        # The thread is asked to stop; a DataLoader iterator it is not inside is released now,
+        # and shuts its workers down here, as DataLoader's own dropped iterator does. Where the
+        # thread is inside it, waiting for a worker's batch, its workers are shut down here all
+        # the same rather than after that call (which made an exception in the loop reach the
+        # caller a batch's time late), and the thread is woken to let go.
         state = self.__dict__
         stage = state.get("_stage")
         source = state.get("_source")
-        kept = state.get("_keep_source") and isinstance(source, _MultiProcessingDataLoaderIter)
-        if kept and stage is not None:
+        if stage is not None and isinstance(source, _MultiProcessingDataLoaderIter):
             stage.abandon()
+            if self._thread.inside_source and not sys.is_finalizing():
+                shut_down_under_thread(source)
 
     def __enter__(self) -> PrefetchIterator[T]:
         return self
@@ -346,6 +349,51 @@ class PrefetchIterator(Iterator[T], Generic[T]):
     def __getstate__(self) -> Any:
         # As DataLoader's own iterators: an iterator with a thread and workers cannot be pickled.
         raise NotImplementedError("{} cannot be pickled", type(self).__name__)
+
+
+def shut_down_under_thread(source: Any) -> None:
+    """Shut down the workers of a dropped DataLoader iterator that a stopped thread is inside,
+    waiting for a worker's batch, as DataLoader's own shutdown would, from the calling thread.
+
+    First what DataLoader's ``_shutdown_workers`` does before its joins: the done event set, and
+    each worker sent its last index, so that it exits after the item it is making. Then the
+    joins, here, `LET_GO_WAIT` at most; where every worker has exited, DataLoader's shutdown
+    proper (its queues, its pin thread), which the thread's wait would otherwise hold up. Last,
+    the thread's wait on the results is ended with a value DataLoader cannot take, so that it
+    fails there and ends (its outcomes are no one's now). A worker still busy is left to
+    DataLoader's shutdown, which runs when the thread lets go of the iterator. Nothing where this
+    torch's iterator lacks these parts, or is shut down already: the thread then ends when its
+    call returns, or is reaped.
+    """
+    parts = ("_workers_done_event", "_mark_worker_as_unavailable", "_workers_status", "_workers")
+    if not all(hasattr(source, part) for part in parts) or getattr(source, "_shutdown", True):
+        return
+    done, mark = source._workers_done_event, source._mark_worker_as_unavailable
+    status, workers = source._workers_status, source._workers
+    done.set()
+    for worker_id, active in enumerate(list(status)):
+        if active or getattr(source, "_persistent_workers", False):
+            mark(worker_id, shutdown=True)
+    deadline = time.monotonic() + _engine.LET_GO_WAIT
+    for worker in workers:
+        worker.join(max(0.0, deadline - time.monotonic()))
+    if not any(worker.is_alive() for worker in workers):
+        source._shutdown_workers()
+    with contextlib.suppress(Exception):  # where this fails, the thread is reaped (see above)
+        _wake(getattr(source, "_data_queue", None))
+
+
+def _wake(results: Any) -> None:
+    """End a wait on DataLoader's result queue with ``None``, which it cannot unpack.
+
+    Its pin thread's ``queue.Queue`` takes it as any value. Its workers' multiprocessing queue is
+    written to directly, as its feeder thread would: a put would start that feeder thread in
+    this process, which cannot start while the interpreter exits.
+    """
+    if isinstance(results, queue.Queue):
+        results.put_nowait(None)
+    elif hasattr(results, "_writer"):
+        results._writer.send_bytes(ForkingPickler.dumps(None))
 
 
 def loop_calls(loader: Any) -> int:

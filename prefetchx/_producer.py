@@ -55,7 +55,7 @@ class Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generator
     * at ``allowed`` calls it hands over `Signal.PARKED` and ends: the consumer makes every
       later call (a stage's ``limit``);
     * `stop`: it ends as soon as its current call returns; nothing it made is handed over any
-      more; `stop` never waits, but for a ``reapable`` source (below);
+      more; `stop` never waits;
     * `join_stopped`: wait for it to end, bounded, saying so when it takes long;
     * `abandon`: `stop` for a consumer that is gone, and the `Reaper` if the thread stays stuck
       in a source nothing else uses.
@@ -239,14 +239,13 @@ class Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generator
 
         The thread ends as soon as its current call of the source returns. This runs from
         finalizers too (a dropped iterator, interpreter exit), where waiting would hold up an
-        exception or Ctrl-C raised in the caller's loop, so it waits only to release a
-        ``reapable`` source itself, as DataLoader shuts down a dropped iterator's workers
-        before the drop returns, and only `LET_GO_WAIT` at most (see `_let_go`).
+        exception or Ctrl-C raised in the caller's loop, so it never waits: a source the thread
+        is not inside is released here and now (see `_let_go`), the rest when the call returns.
         """
         self.stop_event.set()
         self.resume_event.set()  # wake a parked thread, so it sees the stop
         self._drain()  # and make room for a put in progress
-        self._let_go(_engine.LET_GO_WAIT if self.reapable else 0.0)
+        self._let_go()
         if self.is_alive():
             _stopping.add(self)
 
@@ -287,22 +286,16 @@ class Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generator
         )
         return False
 
-    def _let_go(self, wait: float) -> None:
-        """Release the source here and now, unless the thread is inside a call of it for longer
-        than ``wait`` seconds; then the thread releases it when the call returns.
+    def _let_go(self) -> None:
+        """Release the source here and now, unless the thread is inside a call of it; then the
+        thread releases it when the call returns.
 
         A DataLoader iterator released here shuts its workers down in this thread, before the
-        drop or close returns, as DataLoader's own does. Left to the thread, they would shut
-        down there, later, while the caller may already be joining them: two threads waiting
-        for one child process, of which the one that loses takes it for alive.
+        drop or close returns, as DataLoader's own does. (Where the thread is inside it, a
+        dropped iterator tells them to stop: see `PrefetchIterator.__del__`.)
         """
         lock = self.source_lock
-        in_thread = threading.current_thread() is self  # a collection inside the thread
-        if wait and not in_thread:
-            acquired = lock.acquire(timeout=wait)
-        else:
-            acquired = lock.acquire(blocking=False)
-        if not acquired:
+        if not lock.acquire(blocking=False):
             return
         try:
             source, self.generator = self.generator, None
@@ -363,8 +356,8 @@ def settle(timeout: float) -> bool:
 
     A new DataLoader iterator with workers forks processes; a thread still running at a fork
     (one an earlier, dropped iterator asked to stop) may hold a lock the child then finds held
-    forever. Leaving an iterator never waits, so a new one waits here instead, and so does
-    ``close()`` on a loader.
+    forever: one inside your dataset's code, say. Leaving an iterator never waits, so a new one
+    waits here instead, and so does ``close()`` on a loader.
 
     Returns:
         Whether every stopped thread has ended.
@@ -386,5 +379,6 @@ def settle(timeout: float) -> bool:
         )
         for producer in stuck:
             producer.join(max(0.0, deadline - time.monotonic()))
-    REAPER.idle(max(0.0, min(2 * POLL_INTERVAL, deadline - time.monotonic())))
+    if not any(p.is_alive() for p in waiting):
+        REAPER.idle(max(0.0, deadline - time.monotonic()))  # it ends once they have
     return not any(p.is_alive() for p in waiting)

@@ -51,10 +51,8 @@ class ThreadStage(Iterator[T], Generic[T]):
     Leaving the stage does not wait for the thread: dropping it (garbage collection, an early
     ``break``) or an interrupt asks the thread to stop; a source the thread is not inside is
     released then and there, as dropping it without the stage would; otherwise the thread ends
-    when its current call returns, and releases the source then, except that for a
-    ``reapable`` source the dropping thread waits up to 1 s for that call to return and
-    releases it itself (a DataLoader iterator's workers then shut down before the drop returns,
-    as DataLoader's). `close` waits for the thread, bounded, and warns when that takes long. A
+    when its current call returns, and releases the source then (a ``reapable`` one it stays
+    stuck in is reaped). `close` waits for the thread, bounded, and warns when that takes long. A
     Ctrl-C while waiting for an item is raised at once and loses nothing: the item comes with the
     next ``next()``.
 
@@ -134,6 +132,11 @@ class ThreadStage(Iterator[T], Generic[T]):
         if self.threaded:
             return self._from_thread()
         return self._make_here()
+
+    def _mode(self, threaded: bool) -> None:
+        """Who makes the next items from now on: the thread, or the caller."""
+        self.threaded = threaded
+        self.generation += 1
 
     def take_ahead(self) -> Any:
         """An outcome ahead of the loop, for a stage that works on it early (the device stage's
@@ -229,11 +232,10 @@ class ThreadStage(Iterator[T], Generic[T]):
         self._producer = producer
         # Runs on close(), on garbage collection of this stage and never at interpreter exit
         # (which has its own, bounded wait); it holds the producer, never this stage, and it
-        # never waits but for a reapable source (see Producer.stop).
+        # never waits (see Producer.stop).
         self._finalizer = weakref.finalize(self, producer.abandon)
         self._finalizer.atexit = False
-        self.threaded = True
-        self.generation += 1
+        self._mode(True)
 
     def _resume(self) -> None:
         producer = self._producer
@@ -241,8 +243,7 @@ class ThreadStage(Iterator[T], Generic[T]):
         if not producer.is_alive() or self._calls() >= self._limit:
             return  # it ended at its limit: the rest is the caller's
         producer.resume(self._limit - self._made)  # it counts its own calls against it
-        self.threaded = True
-        self.generation += 1
+        self._mode(True)
 
     def _from_thread(self, ahead: bool = False) -> Any:
         """The next value from the thread: an item or a `Failure`; `StopIteration` at the end.
@@ -270,9 +271,8 @@ class ThreadStage(Iterator[T], Generic[T]):
 
     def _parked(self) -> None:
         """The thread handed the source back (asked to, or at its limit)."""
-        self.threaded = False
         self._parking = False
-        self.generation += 1
+        self._mode(False)
         if self._resume_after_park:
             self._resume_after_park = False
             self._resume()
@@ -294,6 +294,11 @@ class ThreadStage(Iterator[T], Generic[T]):
         return self._producer
 
     @property
+    def inside_source(self) -> bool:
+        """Whether the background thread is inside a call of the source now."""
+        return self._producer is not None and self._producer.in_source
+
+    @property
     def producer_alive(self) -> bool:
         """Whether the background thread is still running."""
         return self._producer is not None and self._producer.is_alive()
@@ -308,7 +313,8 @@ class ThreadStage(Iterator[T], Generic[T]):
         if self._finalizer is not None:
             self._finalizer.detach()
         source, self._source = self._source, None
-        self.threaded = False
+        if self.threaded:
+            self._mode(False)
         self._start_after_first = False
         producer = self._producer
         if producer is not None:

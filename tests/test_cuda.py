@@ -328,7 +328,9 @@ def test_resume_counts_batches_received_not_batches_on_the_device(
 
 
 @pytest.mark.adaptive
-@pytest.mark.skipif(SANITIZED, reason="counts, not streams: 2300 batches, minutes under the sanitizer")
+@pytest.mark.skipif(
+    SANITIZED, reason="counts, not streams: 2300 batches, minutes under the sanitizer"
+)
 @pytest.mark.parametrize("exit_by", ["break", "drop"])
 def test_a_state_after_leaving_a_fast_gpu_loop_counts_what_the_loop_received(
     exit_by: str,
