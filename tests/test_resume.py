@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import inspect
 import io
+import json
 import time
 import traceback
 import warnings
@@ -416,18 +418,46 @@ def test_state_before_the_first_epoch_changes_nothing() -> None:
     assert as_lists(resumed) == _uninterrupted(make, epochs=1)[0]
 
 
-def test_state_is_plain_data_that_survives_a_weights_only_load() -> None:
-    loader = _maker(seeded=True)()
+def _leaves(value: Any) -> Iterator[Any]:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield key
+            yield from _leaves(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _leaves(item)
+    else:
+        yield value
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "persistent"), [(0, False), (2, False), (2, True)], ids=["0", "2", "2p"]
+)
+@pytest.mark.parametrize("when", ["inside", "between"])
+def test_state_is_plain_data_that_survives_json_a_weights_only_load_and_equality(
+    num_workers: int, persistent: bool, when: str
+) -> None:
+    # #63: the state held tensors (generator states), so two loop states compared with ==
+    # raised, and JSON could not hold it. The resumed run still matches DataLoader's.
+    make = _maker(seeded=True, num_workers=num_workers, persistent_workers=persistent)
+    expected = _uninterrupted(make, epochs=2)
+    loader = make()
     it = iter(loader)
-    next(it)
+    got = [next(it).tolist() for _ in range(2)]
+    if when == "between":
+        got += as_lists(it)
     state = loader.state_dict()
     it.close()
-    loaded = _through_disk(state)
-    assert loaded.keys() == state.keys()
-    assert loaded["loader"] == state["loader"]
-    (saved,) = state["rng_states"]
-    (restored,) = loaded["rng_states"]
-    assert torch.equal(restored, saved)
+    loader.close()
+    plain = (int, float, str, bool, type(None))
+    assert all(isinstance(leaf, plain) for leaf in _leaves(state))
+    assert json.loads(json.dumps(state)) == state == _through_disk(state)
+    assert state == copy.deepcopy(state)
+    resumed = make()
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    rest = as_lists(resumed) if when == "inside" else []
+    assert got + rest == expected[0]
+    resumed.close()
 
 
 def test_a_saved_state_does_not_change_as_the_loop_goes_on() -> None:
@@ -435,11 +465,11 @@ def test_a_saved_state_does_not_change_as_the_loop_goes_on() -> None:
     it = iter(loader)
     next(it)
     state = loader.state_dict()
-    rng = state["rng_states"][0].clone()
+    kept = copy.deepcopy(state)
     as_lists(it)
     as_lists(loader)
     assert state["consumed"] == 1
-    assert torch.equal(state["rng_states"][0], rng)
+    assert state == kept
 
 
 def test_resume_with_a_samplers_own_generator_and_replacement() -> None:
@@ -526,11 +556,13 @@ def test_state_whose_replay_draws_other_indices_is_refused(num_workers: int) -> 
         ({"epoch": 3}, TypeError, "must be a dict from DataLoaderX.state_dict"),
         ([1, 2], TypeError, "got 'list'"),
         ({"format": "prefetchx.DataLoaderX", "version": 99}, ValueError, "version 99"),
+        ({"format": "prefetchx.DataLoaderX", "version": 2}, ValueError, "version 2; this"),
         (
-            {"format": "prefetchx.DataLoaderX", "version": 2, "consumed": 2},
+            {"format": "prefetchx.DataLoaderX", "version": 3, "consumed": 2},
             ValueError,
-            "lacks loader, epoch_in_progress, digest, rng_states, rng_states_at_iter, "
-            "base_seed_next",
+            "lacks loader, epoch_in_progress, rng_states_at_iter, rng_states, rng_seed, digest, "
+            "base_seed_next, dataset_state, iterator_state, ended, num_workers, workers, "
+            "next_worker, fast_forward",
         ),
     ],
 )
@@ -559,16 +591,24 @@ def _good_state() -> dict[str, Any]:
         ("rng_states", [None, None], r"holds 2 random generator states; this loader's sampler"),
         (
             "rng_states",
-            [torch.zeros(3)],
-            r"`state\['rng_states'\]\[0\]` must be a uint8 generator state from get_state\(\), "
-            r"got a torch.float32 tensor of shape \(3,\)",
+            [[0.5, 1.0]],
+            r"`state\['rng_states'\]\[0\]` must be a generator state as a list of ints from 0 "
+            r"to 255 \(torch.Generator.get_state\(\).tolist\(\)\), got \[0.5, 1.0\]",
         ),
         (
             "rng_states_at_iter",
-            [torch.zeros(7, dtype=torch.uint8)],
+            [[0] * 7],
             r"`state\['rng_states_at_iter'\]\[0\]` is not a state of a cpu random generator",
         ),
-        ("rng_states", ["abc"], r"`state\['rng_states'\]\[0\]` must be a uint8 .* got 'abc'"),
+        ("rng_states", ["abc"], r"`state\['rng_states'\]\[0\]` must be a generator .* got 'abc'"),
+        ("rng_states", [[256]], r"`state\['rng_states'\]\[0\]` must be a generator .* got \[256\]"),
+        ("rng_seed", "x", r"`state\['rng_seed'\]` must be a generator state as a list .* got 'x'"),
+        ("num_workers", -2, r"num_workers=-2; it must be an int >= 0"),
+        ("workers", [None], r"`state\['workers'\]` must be None or a list of 0 worker states"),
+        ("ended", 0, r"`state\['ended'\]` must be a bool, got 0"),
+        ("next_worker", None, r"next_worker=None; it must be an int >= 0"),
+        ("fast_forward", "no", r"`state\['fast_forward'\]` must be a bool, got 'no'"),
+        ("shuffle", True, r"`state` has fields no DataLoaderX state has: shuffle"),
     ],
 )
 def test_every_malformed_field_is_refused_at_load_naming_it(
@@ -597,11 +637,11 @@ def test_an_iterable_dataset_checkpoints_and_restores_between_epochs() -> None:
     next(it)
     inside = _through_disk(loader.state_dict())
     assert (inside["epoch_in_progress"], inside["consumed"]) == (True, 2)
+    assert inside["fast_forward"]  # it has no state of its own
     it.close()
     restarted = make()
-    with pytest.warns(UserWarning, match="2 batches into an epoch of an IterableDataset"):
-        restarted.load_state_dict(inside)
-    assert as_lists(restarted) == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    restarted.load_state_dict(inside)
+    assert as_lists(restarted) == [[4, 5], [6, 7], [8, 9]]
     with pytest.raises(ValueError, match="`state` lacks epoch_in_progress"):
         make().load_state_dict({k: v for k, v in inside.items() if k != "epoch_in_progress"})
     with pytest.raises(ValueError, match="comes from a different loader: batch_size 2 there"):
@@ -856,15 +896,19 @@ def test_an_iterable_datasets_own_state_is_restored_between_epochs(num_workers: 
     it.close()
 
 
-def test_with_workers_an_iterable_datasets_state_inside_an_epoch_cannot_resume() -> None:
+def test_with_workers_an_iterable_datasets_state_inside_an_epoch_is_each_workers() -> None:
     loader = DataLoaderX(Resumable(10), batch_size=2, num_workers=2)
     it = iter(loader)
     next(it)
     state = loader.state_dict()
     it.close()
-    assert state["dataset_state"] is None  # the workers iterate their own copies
-    with pytest.warns(UserWarning, match="the next epoch starts from the beginning"):
-        DataLoaderX(Resumable(10), batch_size=2, num_workers=2).load_state_dict(state)
+    # Each worker iterates its own copy: the main process's is as it was, the first worker's
+    # is one batch in, the second's has made none the loop received.
+    assert state["dataset_state"] == {"position": 0, "epochs": 0}
+    first, second = state["workers"]
+    assert first["dataset_state"] == {"position": 2, "epochs": 0}
+    assert second is None
+    assert state["next_worker"] == 1
 
 
 def test_a_dataset_state_for_a_dataset_without_one_is_refused() -> None:
