@@ -37,24 +37,26 @@ def worker() -> list[int]:
 
 
 class Augmented(Dataset[list[int]]):
-    """``n`` items, each its index, its worker and seed, and random draws made in the worker."""
+    """``n`` items, each its index, its worker and seed, and random draws made where it is made
+    (``draw=False``: none; without workers they race the loop's own once a thread runs)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, draw: bool = True) -> None:
         self.n = n
+        self.draw = draw
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> list[int]:
-        return [i, *worker(), *draws()]
+        return [i, *worker(), *(draws() if self.draw else [])]
 
 
 class Counted(Augmented):
     """A map-style dataset with its own state (torchdata's Stateful): how many items its copy
     made, which each item shows."""
 
-    def __init__(self, n: int) -> None:
-        super().__init__(n)
+    def __init__(self, n: int, draw: bool = True) -> None:
+        super().__init__(n, draw)
         self.made = 0
 
     def __getitem__(self, i: int) -> list[int]:
@@ -79,9 +81,10 @@ class Shards(IterableDataset[list[int]]):
     outside any state is not resumable.
     """
 
-    def __init__(self, n: int, state: str | None) -> None:
+    def __init__(self, n: int, state: str | None, draw: bool = True) -> None:
         self.n = n
         self.kind = state
+        self.draw = draw
         self.epoch = 0
         self.start = 0
         if state == "dataset":
@@ -105,7 +108,8 @@ class Shards(IterableDataset[list[int]]):
         while self.position < len(items):
             i = items[self.position]
             self.position += 1
-            yield [i, *worker(), *draws(), self.epoch if self.kind == "dataset" else 0]
+            drawn = draws() if self.draw else []
+            yield [i, *worker(), *drawn, self.epoch if self.kind == "dataset" else 0]
         self.position = 0
         self.epoch += 1
 
@@ -127,7 +131,7 @@ class _ShardIterator(Iterator[list[int]]):
             raise StopIteration
         i = self.items[self.position]
         self.position += 1
-        return [i, *worker(), *draws(), 0]
+        return [i, *worker(), *(draws() if self.dataset.draw else []), 0]
 
     def state_dict(self) -> dict[str, int]:
         return {"position": self.position}

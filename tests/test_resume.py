@@ -956,3 +956,112 @@ def test_the_dataloader_iterator_draws_from_the_samplers_own_iterator_as_dataloa
             assert drawing.gi_code is BatchSampler.__iter__.__code__, loader_class
         epochs.append(first + [torch.as_tensor(b).tolist() for b in it])
     assert epochs[0] == epochs[1]
+
+
+# --- #63 item 3: a state no real run can have is refused ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tamper", "message"),
+    [
+        (
+            {"epoch_in_progress": False},
+            r"epoch_in_progress=False \(between epochs\) with consumed=3",
+        ),
+        ({"base_seed_next": True}, r"epoch_in_progress=True with base_seed_next=True"),
+        ({"iterator_state": {"position": 1}}, r"iterator_state=\{'position': 1\} for a map-style"),
+        ({"fast_forward": True}, r"fast_forward=True for a map-style dataset"),
+        ({"next_worker": 1}, r"next_worker=1 with num_workers=0"),
+        ({"rng_seed": "seed"}, r"rng_seed \(the state persistent workers drew their seed from\)"),
+    ],
+)
+def test_a_state_whose_fields_contradict_each_other_is_refused(
+    tamper: dict[str, Any], message: str
+) -> None:
+    # #63 item 3: a mid-epoch state with epoch_in_progress flipped to False was accepted and
+    # replayed the batches the loop had received. The real state resumes as DataLoader goes on.
+    make = _maker(seeded=True)
+    expected = _uninterrupted(make)
+    got, state, _ = _interrupted(make, 3)
+    loader = make()
+    loader.load_state_dict(state)
+    assert got + as_lists(loader) == expected[1]
+    if tamper.get("rng_seed") == "seed":
+        tamper = {"rng_seed": state["rng_states"][0]}
+    with pytest.raises(ValueError, match=f"cannot come from a real loader: {message}"):
+        make().load_state_dict({**state, **tamper})
+
+
+def test_a_between_epochs_state_with_a_count_is_refused() -> None:
+    make = _maker(seeded=True)
+    expected = _uninterrupted(make, epochs=2)
+    loader = make()
+    assert as_lists(loader) == expected[0]
+    state = _through_disk(loader.state_dict())
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert as_lists(resumed) == expected[1]
+    for tamper in ({"consumed": 2}, {"digest": 7}, {"ended": True}):
+        with pytest.raises(ValueError, match="epoch_in_progress=False"):
+            make().load_state_dict({**state, **tamper})
+
+
+# --- #63 item 4: iteration never depends on a dataset's state protocol -------------------------
+
+
+class _StateAfterIter(torch.utils.data.IterableDataset[int]):
+    """Its state lives in what ``__iter__`` sets up: ``state_dict()`` raises before (a common
+    shape); ``broken`` makes it raise always, and ``load_state_dict`` raise too."""
+
+    def __init__(self, n: int, broken: bool = False) -> None:
+        self.n = n
+        self.broken = broken
+
+    def __iter__(self) -> Iterator[int]:
+        info = torch.utils.data.get_worker_info()
+        first, step = (0, 1) if info is None else (info.id, info.num_workers)
+        self.items = list(range(first, self.n, step))
+        self.position = getattr(self, "start", 0)
+        self.start = 0
+        while self.position < len(self.items):
+            self.position += 1
+            yield self.items[self.position - 1]
+        self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        if self.broken:
+            raise RuntimeError("no state here")
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if self.broken:
+            raise RuntimeError("no state here")
+        self.start = state["position"]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("broken", [False, True], ids=["after-iter", "always-raises"])
+def test_iteration_never_depends_on_the_datasets_state_protocol(
+    num_workers: int, broken: bool, both_modes: str
+) -> None:
+    # #63 item 4: iter(loader) raised AttributeError from dataset.state_dict(), called as the
+    # epoch began, for a dataset whose state exists only once __iter__ ran; DataLoader iterates
+    # it, and nobody asked for a state.
+    def make(cls: type[DataLoader[Any]]) -> DataLoader[Any]:
+        return cls(_StateAfterIter(14, broken), batch_size=2, num_workers=num_workers)
+
+    expected = [as_lists(make(DataLoader)) for _ in range(2)]
+    loader = make(DataLoaderX)
+    assert [as_lists(loader) for _ in range(2)] == expected
+    it = iter(loader)
+    got = [next(it).tolist() for _ in range(3)]
+    if broken:  # asked for, a state that cannot be known is an error that says why
+        with pytest.raises(ValueError, match=r"state_dict\(\) raised in .*: RuntimeError: no st"):
+            loader.state_dict()
+        it.close()
+        return
+    state = _through_disk(loader.state_dict())
+    it.close()
+    resumed = make(DataLoaderX)
+    resumed.load_state_dict(state)
+    assert got + as_lists(resumed) == expected[0]
