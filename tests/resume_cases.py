@@ -26,7 +26,8 @@ def draws() -> list[int]:
     """What a random augmentation draws: from torch's, Python's and numpy's global RNGs."""
     out = [int(torch.randint(0, 10**6, ())), random.randrange(10**6)]
     if np is not None:
-        out.append(int(np.random.randint(0, 10**6)))
+        # One Gaussian a draw: numpy keeps every other one from the draw before (has_gauss).
+        out += [int(np.random.randint(0, 10**6)), round(float(np.random.randn()) * 10**6)]
     return out
 
 
