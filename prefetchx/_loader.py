@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import multiprocessing
 import sys
 import threading
 import warnings
@@ -33,7 +34,7 @@ from prefetchx._resume import (
 from prefetchx._snapshots import DatasetSnapshots
 from prefetchx._state import Saved
 from prefetchx._stats import EpochStats
-from prefetchx._workers import TaggingCollate, WorkerInit, WorkersIter
+from prefetchx._workers import Ends, TaggingCollate, WorkerInit, WorkersIter
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -194,7 +195,7 @@ class DataLoaderX(DataLoader[T_co]):
         recorder.feed = self._snapshots()
         epoch, building = self._begin_epoch(recorder, draws_base_seed=True)
         with _handing(self, recorder), building:
-            source = self._dataloader_iterator(resume)
+            source = self._dataloader_iterator(resume, recorder.feed)
         recorder.serve(source)
         feed = self._resume_in_process(source, resume, recorder)
         iterator: PrefetchIterator[Any] = PrefetchIterator(
@@ -209,13 +210,21 @@ class DataLoaderX(DataLoader[T_co]):
         self._live.add(iterator)
         return iterator
 
-    def _dataloader_iterator(self, resume: Saved | None) -> Any:
+    def _dataloader_iterator(self, resume: Saved | None, notes: DatasetSnapshots | None) -> Any:
         """DataLoader's own iterator; with workers, started with DataLoaderX's worker functions
-        (each batch carries its worker's state; a resumed worker loads its saved one)."""
+        (each batch carries its worker's state; a resumed worker loads its saved one; persistent
+        workers over an IterableDataset leave their states in ``notes.ends`` as each epoch's
+        iteration ends)."""
         if self.num_workers == 0:
             return super()._get_iterator()
         self.check_worker_number_rationality()
-        init = WorkerInit(self.worker_init_fn, worker_plans(resume, self.num_workers))
+        ends = None
+        if self._keeps_iterator() and is_iterable(self):
+            context = self.multiprocessing_context or multiprocessing
+            ends = Ends(context, self.num_workers)
+            assert notes is not None  # made for every iterator with workers
+            notes.ends = ends
+        init = WorkerInit(self.worker_init_fn, worker_plans(resume, self.num_workers), ends)
         return WorkersIter(self, TaggingCollate(self.collate_fn), init)
 
     def _resume_in_process(

@@ -39,7 +39,7 @@ import torch
 
 from prefetchx._snapshots import DatasetSnapshots
 from prefetchx._state import Saved, States, WorkerState
-from prefetchx._workers import Note, WorkerPlan, has_own_state
+from prefetchx._workers import Note, RawRng, WorkerPlan, has_own_state
 
 __all__ = ["DatasetSnapshots", "has_own_state"]  # also re-exported: where the stages import them
 
@@ -392,7 +392,7 @@ def between_epochs(
     if kept and recorder is not None and recorder.feed is not None:
         notes = recorder.feed.as_of_made(recorder.feed.made) or {}
         # Every worker's iteration ended with the epoch, after its last note.
-        workers = worker_states(notes, loader, recorder.feed.epochs + 1, is_iterable(loader))
+        workers = worker_states(notes, loader, recorder.feed, is_iterable(loader), between=True)
     return Saved(
         in_epoch=False,
         consumed=0,
@@ -451,17 +451,17 @@ def inside_epoch(loader: Any, position: Position, received: int, feed: Any) -> S
             ended=note.ended,
         )
     main = dataset_state(loader.dataset, iterated=False)
-    workers = worker_states(notes, loader, feed.epochs, iterable, received)
+    workers = worker_states(notes, loader, feed, iterable, received)
     stateless = main is None and all(
         w is None or (w.dataset_state is None and w.iterator_state is None) for w in workers
     )
     if iterable and stateless:  # from the epoch's start: the workers as they began it
-        start = worker_states(feed.at_start, loader, feed.epochs, iterable)
+        start = worker_states(feed.at_start, loader, feed, iterable)
         return _replace(_fast_forward(saved), workers=start)
     if not iterable and getattr(loader, "in_order", True) is False:
         # Resumed as the epoch again from its start (see load_state_dict): the workers as
         # they began it.
-        workers = worker_states(feed.at_start, loader, feed.epochs, iterable)
+        workers = worker_states(feed.at_start, loader, feed, iterable)
         return _replace(saved, dataset_state=main, workers=workers)
     next_worker = 0
     if iterable:
@@ -473,15 +473,18 @@ def inside_epoch(loader: Any, position: Position, received: int, feed: Any) -> S
 def worker_states(
     notes: dict[int | None, Note],
     loader: Any,
-    epoch: int,
+    feed: DatasetSnapshots,
     iterable: bool,
     received: int | None = None,
+    between: bool = False,
 ) -> tuple[WorkerState | None, ...]:
-    """Each worker's state from its latest note, for a resumed ``epoch`` (of the iterator).
+    """Each worker's state from its latest note, for a resumed epoch ``feed.epochs`` (the next
+    one, ``between`` epochs).
 
     A note from an earlier epoch was taken before that epoch's iteration ended: the resumed
-    worker drains its restored iterator (an IterableDataset's) before it begins. A worker with
-    no note starts as DataLoader starts it.
+    worker drains its restored iterator (an IterableDataset's own state, or its iterator's)
+    before it begins, or, without such a state, starts from the generator states it had when
+    that iteration ended. A worker with no note starts as DataLoader starts it.
     """
     out: list[WorkerState | None] = []
     for worker in range(loader.num_workers):
@@ -490,16 +493,22 @@ def worker_states(
             out.append(None)
             continue
         _raise_failed(note, received)
-        current = note.epoch == epoch
+        current = note.epoch == feed.epochs and not between
         drain = (
             iterable
             and not current
             and not note.ended
             and (note.dataset_state is not None or note.iterator_state is not None)
         )
+        rng = note.rng
+        if iterable and not current and not drain:
+            # The worker's states as its last epoch's iteration ended (after the items a
+            # drop_last batch dropped): as the resumed epoch begins.
+            ended = feed.end_rng(worker, feed.epochs if between else feed.epochs - 1)
+            rng = ended if ended is not None else rng
         out.append(
             WorkerState(
-                rng=plain_rng(note),
+                rng=plain_rng(rng),
                 dataset_state=note.dataset_state,
                 # An earlier epoch's iterator is done with: the resumed epoch makes a new one.
                 iterator_state=note.iterator_state if current or drain else None,
@@ -521,13 +530,13 @@ def worker_plans(saved: Saved | None, num_workers: int) -> dict[int, WorkerPlan]
     }
 
 
-def plain_rng(note: Note) -> dict[str, Any] | None:
-    """A note's generator states as plain data (`prefetchx._state`)."""
+def plain_rng(rng: RawRng | None) -> dict[str, Any] | None:
+    """A worker's generator states, as a note holds them, as plain data (`prefetchx._state`)."""
     from prefetchx._state import plain_numpy_state, plain_python_state
 
-    if note.rng is None:
+    if rng is None:
         return None
-    torch_state, python_state, numpy_state = note.rng
+    torch_state, python_state, numpy_state = rng
     if torch_state is None or python_state is None:
         return None  # not yet filled in from an earlier note: none reached this process
     return {

@@ -13,7 +13,15 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from prefetchx._workers import Note, RawRng, Tagged, global_rngs, set_global_rngs, take_note
+from prefetchx._workers import (
+    Ends,
+    Note,
+    RawRng,
+    Tagged,
+    global_rngs,
+    set_global_rngs,
+    take_note,
+)
 
 logger = logging.getLogger("prefetchx")
 
@@ -53,6 +61,9 @@ class DatasetSnapshots:
         """Outcomes to fast-forward over at the epoch's first ``next()``."""
         self.epochs = 0
         """Epochs begun over this iterator: 1 for all but persistent workers."""
+        self.ends: Ends | None = None
+        """Where persistent workers over an IterableDataset leave their states as an
+        iteration ends."""
 
     def over(self, source: Iterator[Any]) -> Iterator[Any]:
         """What the stages pull from in place of ``source``, DataLoader's iterator."""
@@ -60,10 +71,19 @@ class DatasetSnapshots:
         return _Feed(self, self._source)
 
     def __getstate__(self) -> dict[str, Any]:
-        # Copied or pickled with its loader, as DataLoader's state is: without the iterator.
+        # Copied or pickled with its loader, as DataLoader's state is: without the iterator
+        # and its workers' buffers.
         state = self.__dict__.copy()
         state["_source"] = None
+        state["ends"] = None
         return state
+
+    def end_rng(self, worker: int, epoch: int) -> RawRng | None:
+        """The generator states of persistent worker ``worker`` when its iteration of epoch
+        ``epoch`` (from 1) ended, if known: they were its states at the next epoch's start."""
+        if self.ends is None or epoch < 1:
+            return None
+        return self.ends.read(worker, epoch)
 
     def begin(self, offset: int, skip: int = 0) -> None:
         """A new epoch, of which the loop received ``offset`` outcomes before a resume; and

@@ -21,6 +21,7 @@ epoch: the note keeps the error, which `DataLoaderX.state_dict` raises if it nee
 from __future__ import annotations
 
 import ctypes
+import pickle
 import random
 import sys
 from collections.abc import Callable
@@ -134,13 +135,17 @@ class WorkerInit:
     """
 
     def __init__(
-        self, init_fn: Callable[[int], None] | None, plans: dict[int, WorkerPlan] | None = None
+        self,
+        init_fn: Callable[[int], None] | None,
+        plans: dict[int, WorkerPlan] | None = None,
+        ends: Ends | None = None,
     ) -> None:
         self.init_fn = init_fn
         self.plans = plans or {}
+        self.ends = ends
 
     def __call__(self, worker_id: int) -> None:
-        _start_worker()
+        _start_worker(self.ends, worker_id)
         if self.init_fn is not None:
             self.init_fn(worker_id)
         plan = self.plans.get(worker_id)
@@ -201,12 +206,59 @@ def set_global_rngs(states: tuple[Any, ...]) -> None:
         numpy.random.set_state(states[2])
 
 
+class Ends:
+    """Where persistent workers over an IterableDataset leave their generator states each time
+    their iteration ends: shared buffers, two a worker, made before the workers start.
+
+    A worker's random draws after its last batch of an epoch (the items a ``drop_last`` batch
+    drops, draws after the dataset's last item) reach no batch's note, and its next note may
+    come after a state is taken: the worker writes its states here when an iteration ends,
+    before it tells the main process so. A state needs the end of the epoch before the one it
+    is in, or of the one it follows: each pass writes the buffer of its parity, which the next
+    pass but one overwrites, and no pass begins before the loop has begun its epoch.
+    """
+
+    SIZE = 1 << 15  # pickled, the three generators' states take about 12 kB
+
+    def __init__(self, context: Any, num_workers: int) -> None:
+        self.buffers = [
+            (context.Array("B", self.SIZE), context.Array("B", self.SIZE))
+            for _ in range(num_workers)
+        ]
+
+    def write(self, worker: int, passes: int, rng: RawRng) -> None:
+        """Worker ``worker``'s iteration number ``passes`` (from 1) ended with these states."""
+        data = pickle.dumps((passes, rng))
+        buffer = self.buffers[worker][passes % 2]
+        with buffer.get_lock():
+            if len(data) + 4 <= self.SIZE:
+                buffer[4 : 4 + len(data)] = data
+                buffer[0:4] = list(len(data).to_bytes(4, "little"))
+            else:  # too large to keep: say none, rather than a wrong one
+                buffer[0:4] = [0, 0, 0, 0]
+
+    def read(self, worker: int, passes: int) -> RawRng | None:
+        """Worker ``worker``'s generator states when its iteration number ``passes`` ended, if
+        known."""
+        buffer = self.buffers[worker][passes % 2]
+        with buffer.get_lock():
+            size = int.from_bytes(bytes(buffer[0:4]), "little")
+            data = bytes(buffer[4 : 4 + size]) if size else b""
+        if not data:
+            return None
+        ended, rng = pickle.loads(data)
+        return rng if ended == passes else None
+
+
 class _Current:
     """This worker process's fetcher, and what to do to the next one DataLoader makes."""
 
-    def __init__(self) -> None:
+    def __init__(self, ends: Ends | None = None, worker: int = 0) -> None:
         self.fetcher: Any = None
         self.pending: Callable[[Any], None] | None = None
+        self.passes = 0  # fetchers made: iterations begun over the dataset
+        self.ends = ends
+        self.worker = worker
         self.sent: list[Any] = [None, None, None]  # the generator states the last note carried
         self.words: bytes | None = None  # numpy's raw generator state, read with them
 
@@ -214,7 +266,7 @@ class _Current:
 _current = _Current()
 
 
-def _start_worker() -> None:
+def _start_worker(ends: Ends | None = None, worker: int = 0) -> None:
     """Prepare this new worker process: forget what a fork copied, and see DataLoader's fetchers.
 
     DataLoader makes the fetcher, and with it the iterator over an IterableDataset, right after
@@ -224,7 +276,7 @@ def _start_worker() -> None:
     fetcher here.
     """
     global _current
-    _current = _Current()
+    _current = _Current(ends, worker)
     create = _DatasetKind.create_fetcher
     if getattr(create, "prefetchx_hook", False):
         return
@@ -232,13 +284,37 @@ def _start_worker() -> None:
     def create_fetcher(*args: Any) -> Any:
         fetcher = create(*args)  # type: ignore[no-untyped-call]  # torch's
         _current.fetcher = fetcher
+        _current.passes += 1
         pending, _current.pending = _current.pending, None
         if pending is not None:
             pending(fetcher)
+        if _current.ends is not None and hasattr(fetcher, "dataset_iter"):
+            fetcher.fetch = _noting_the_end(fetcher.fetch)
         return fetcher
 
     create_fetcher.prefetchx_hook = True  # type: ignore[attr-defined]  # a mark on a function
     _DatasetKind.create_fetcher = staticmethod(create_fetcher)  # type: ignore[method-assign]
+
+
+def _noting_the_end(fetch: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``fetch``, which writes this worker's generator states to its `Ends` buffer when the
+    iteration ends (before DataLoader's worker loop tells the main process so)."""
+
+    def fetching(index: Any) -> Any:
+        try:
+            return fetch(index)
+        except StopIteration:
+            ends = _current.ends
+            assert ends is not None
+            ends.write(_current.worker, _current.passes, _full_rng())
+            raise
+
+    return fetching
+
+
+def _full_rng() -> RawRng:
+    torch_state, python_state, numpy_state = global_rngs()
+    return torch_state.numpy().tobytes(), python_state, numpy_state
 
 
 def _read_rng() -> RawRng:

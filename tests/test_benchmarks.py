@@ -1,6 +1,6 @@
 """The benchmark programs of issue #16 (``benchmarks/grid.py``, ``jpeg_pipeline.py``,
-``no_work.py``, ``kept_alone.py`` and ``mode_trace.py``): their quick runs write a table and a
-JSON record of the expected shape; the full grid's cells."""
+``no_work.py``, ``kept_alone.py`` and ``mode_trace.py``) and #63's ``resume_fuzz.py``: their quick
+runs write a table and a JSON record of the expected shape; the full grid's cells."""
 
 from __future__ import annotations
 
@@ -831,3 +831,31 @@ def test_any_number_of_workers_sizes_a_cell(program: str, tmp_path: Path) -> Non
     done = _run(program, *args, "--out", str(tmp_path / program))
     assert done.returncode == 0, done.stderr
     assert "3 workers" in json.loads((tmp_path / f"{program}.json").read_text())["cell"]
+
+
+def test_the_quick_resume_fuzz_compares_every_trial_and_records_it(tmp_path: Path) -> None:
+    # benchmarks/resume_fuzz.py (#63): random resume trials, each against DataLoader's
+    # uninterrupted run. Every trial that differs must be one whose state counted other than
+    # the batches its loop received (#63 item 1, the thread stage's count, fixed apart).
+    out = tmp_path / "fuzz.json"
+    done = _run("resume_fuzz", "--quick", "--trials", "6", "--seed", "3", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    record = json.loads(out.read_text())
+    assert record["meta"]["quick"] is True
+    assert record["meta"]["commit"]
+    summary = record["summary"]
+    assert summary["trials"] == len(record["trials"]) == 6
+    assert summary["errors"] == 0
+    differing = [t for t in record["trials"] if t["differs"]]
+    assert summary["differing"] == len(differing)
+    assert all(t["item1"] for t in differing), differing
+    for name, counts in summary["by_category"].items():
+        assert sum(n for n, _ in counts.values()) == 6, name
+    assert done.stdout.startswith("6 trials in ")
+    assert "category      value" in done.stdout
+
+
+def test_the_resume_fuzz_refuses_no_trials() -> None:
+    done = _run("resume_fuzz", "--trials", "0")
+    assert done.returncode == 2
+    assert "--trials must be >= 1, got 0" in done.stderr
