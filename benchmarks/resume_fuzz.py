@@ -4,8 +4,9 @@ Each trial draws a loader (dataset kind, length, batch size, ``drop_last``, how 
 ``num_workers``, ``persistent_workers``, ``max_prefetch``), a loop (fast or slow steps, each
 drawing from the global RNG as dropout would), a checkpoint (before the first batch, mid-epoch,
 in the body of the epoch's last batch, between epochs; taken in the loop's body or after the loop
-is left) in epoch 0 or 1, and a way out of that epoch (``break``, an exception from the step, a
-dropped iterator). It runs a plain DataLoader uninterrupted, and DataLoaderX interrupted at the
+is left) in epoch 0 or 1, a way out of that epoch (``break``, an exception from the step, a
+dropped iterator), and whether the resumed epoch is interrupted again a few batches on and
+resumed once more. It runs a plain DataLoader uninterrupted, and DataLoaderX interrupted at the
 checkpoint and resumed from it by a new loader in a process whose RNGs start elsewhere (the global
 RNGs restored as a checkpoint restores them), and compares every batch of the epochs before, the
 resumed epoch and the next two: indices, workers, their seeds and what the dataset drew from
@@ -163,6 +164,8 @@ class Trial:
     checkpoint: str
     where: str
     exit: str
+    again: int | None = None
+    """Batches the resumed loader takes before a second checkpoint and resume; ``None``: none."""
     consumed: int | None = None
     received: int | None = None
     differs: bool = False
@@ -195,6 +198,7 @@ def draw_trial(index: int, rng: random.Random, quick: bool) -> Trial:
         checkpoint=rng.choice(CHECKPOINTS),
         where=rng.choice(("body", "after")),
         exit=rng.choice(EXITS),
+        again=rng.choice((0, 1, 2)) if rng.random() < 0.3 else None,
     )
 
 
@@ -329,7 +333,10 @@ def run_trial(trial: Trial) -> None:
     assert isinstance(resumed, DataLoaderX)
     resumed.load_state_dict(state)
     _set_rngs(rngs)
-    if consumed is None:
+    ended = False
+    if trial.again is not None and consumed is not None:
+        resumed, ended = _again(trial, make, resumed, received)
+    if consumed is None or ended:
         got += [received]
     else:
         got += [received + _epoch(trial, resumed)]
@@ -338,6 +345,33 @@ def run_trial(trial: Trial) -> None:
     trial.differs = got != expected
     if trial.differs:
         trial.first_difference = _first_difference(got, expected)
+
+
+def _again(
+    trial: Trial,
+    make: Callable[[type[DataLoader[Any]]], DataLoader[Any]],
+    resumed: DataLoaderX[Any],
+    received: list[Any],
+) -> tuple[DataLoaderX[Any], bool]:
+    """The resumed epoch interrupted again after ``trial.again`` more batches, and resumed by a
+    new loader: the batches it took join ``received``; and whether the epoch ended first."""
+    it = iter(resumed)
+    target = len(received) + (trial.again or 0)
+    ended = False
+    while len(received) < target and not ended:
+        try:
+            received.append(_step(trial, next(it)))
+        except StopIteration:
+            ended = True
+    state, rngs = json.loads(json.dumps(resumed.state_dict())), _rngs()
+    del it
+    resumed.close()
+    _seed(99)
+    again = make(DataLoaderX)
+    assert isinstance(again, DataLoaderX)
+    again.load_state_dict(state)
+    _set_rngs(rngs)
+    return again, ended
 
 
 def _first_difference(got: list[Any], expected: list[Any]) -> str:
@@ -362,6 +396,7 @@ CATEGORIES = (
     "checkpoint",
     "where",
     "exit",
+    "again",
 )
 
 
@@ -410,7 +445,7 @@ def _brief(trial: Trial) -> str:
         f"shuffle={trial.shuffle} workers={trial.num_workers} persistent={trial.persistent} "
         f"max_prefetch={trial.max_prefetch} {trial.step} epoch {trial.epoch} "
         f"{trial.checkpoint} ({trial.where}, {trial.exit}) consumed={trial.consumed} "
-        f"received={trial.received}"
+        f"received={trial.received} again={trial.again}"
     )
 
 

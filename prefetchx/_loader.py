@@ -289,7 +289,7 @@ class DataLoaderX(DataLoader[T_co]):
             in_epoch = resume is not None and resume.in_epoch
             skipped = resume.consumed if resume is not None and in_epoch else 0
             fast = in_epoch and resume is not None and resume.fast_forward
-            feed.begin(offset=0 if fast else skipped, skip=skipped if fast else 0)
+            feed.begin(offset=0 if fast else skipped, skip=skipped if fast else 0, resumed=resume)
         if resume is not None and resume.dataset_state is not None:
             # Before DataLoader calls iter(dataset), or its new workers copy the dataset.
             self.dataset.load_state_dict(resume.dataset_state)  # type: ignore[attr-defined]  # checked at load

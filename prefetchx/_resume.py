@@ -463,10 +463,7 @@ def inside_epoch(loader: Any, position: Position, received: int, feed: Any) -> S
         # they began it.
         workers = worker_states(feed.at_start, loader, feed, iterable)
         return _replace(saved, dataset_state=main, workers=workers)
-    next_worker = 0
-    if iterable:
-        worker, since = feed.last_worker(received)
-        next_worker = ((worker + 1 if worker is not None else 0) + since) % loader.num_workers
+    next_worker = feed.next_worker(received, loader.num_workers) if iterable else 0
     return _replace(saved, dataset_state=main, workers=workers, next_worker=next_worker)
 
 
@@ -530,12 +527,13 @@ def worker_plans(saved: Saved | None, num_workers: int) -> dict[int, WorkerPlan]
     }
 
 
-def plain_rng(rng: RawRng | None) -> dict[str, Any] | None:
-    """A worker's generator states, as a note holds them, as plain data (`prefetchx._state`)."""
+def plain_rng(rng: RawRng | dict[str, Any] | None) -> dict[str, Any] | None:
+    """A worker's generator states, as a note holds them, as plain data (`prefetchx._state`);
+    a saved state's, plain already, as it is."""
     from prefetchx._state import plain_numpy_state, plain_python_state
 
-    if rng is None:
-        return None
+    if rng is None or isinstance(rng, dict):
+        return rng
     torch_state, python_state, numpy_state = rng
     if torch_state is None or python_state is None:
         return None  # not yet filled in from an earlier note: none reached this process

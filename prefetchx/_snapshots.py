@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from prefetchx._state import Saved
 from prefetchx._workers import (
     Ends,
     Note,
@@ -51,12 +53,14 @@ class DatasetSnapshots:
         self._source: weakref.ref[Any] | None = None
         self._window: collections.deque[tuple[int, Note | None]] = collections.deque()
         self._settled: Notes = {}  # each worker's latest note among those out of the window
+        self._lock = threading.Lock()  # the stages' thread notes while a state reads
         self._rng: dict[int | None, RawRng] = {}  # each worker's latest generator states
         self._made = 0
         self._start = 0  # outcomes made before this epoch
         self._at_start: Notes = {}
         self._initial: Note | None = None  # this process's note before the epoch's first outcome
         self._offset = 0  # outcomes of this epoch the loop received before a resume
+        self._next_worker = 0  # whose batch came first in this run's part of the epoch
         self.skip = 0
         """Outcomes to fast-forward over at the epoch's first ``next()``."""
         self.epochs = 0
@@ -76,7 +80,12 @@ class DatasetSnapshots:
         state = self.__dict__.copy()
         state["_source"] = None
         state["ends"] = None
+        del state["_lock"]
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def end_rng(self, worker: int, epoch: int) -> RawRng | None:
         """The generator states of persistent worker ``worker`` when its iteration of epoch
@@ -85,15 +94,47 @@ class DatasetSnapshots:
             return None
         return self.ends.read(worker, epoch)
 
-    def begin(self, offset: int, skip: int = 0) -> None:
+    def begin(self, offset: int, skip: int = 0, resumed: Saved | None = None) -> None:
         """A new epoch, of which the loop received ``offset`` outcomes before a resume; and
-        ``skip`` more to fast-forward over at its first ``next()``."""
+        ``skip`` more to fast-forward over at its first ``next()``. A ``resumed`` epoch's saved
+        workers count as noted before it: until a worker brings a note of its own, a state
+        taken in this epoch holds the saved one."""
         self.epochs += 1
         self._start = self._made
+        self._next_worker = 0
+        if resumed is not None and resumed.workers is not None:
+            self._settle(resumed)
         self._at_start = self.as_of_made(self._made) or {}
         self._initial = None
+        if self._in_process and resumed is not None and resumed.in_epoch and not skip:
+            # Until its first batch, the epoch is where the state put it: as saved (a dataset
+            # whose state __iter__ sets up has not run it yet).
+            self._initial = Note(
+                None,
+                dataset_state=resumed.dataset_state,
+                iterator_state=resumed.iterator_state,
+                ended=resumed.ended,
+            )
         self._offset = offset
         self.skip = skip
+
+    def _settle(self, resumed: Saved) -> None:
+        assert resumed.workers is not None
+        self._next_worker = resumed.next_worker if not resumed.fast_forward else 0
+        for worker, saved in enumerate(resumed.workers):
+            if saved is None:
+                continue
+            # As worker_states made them: a state drained (or, between epochs, any) is that of
+            # an earlier epoch's iteration, one that ended unless it is drained.
+            earlier = saved.drain or not resumed.in_epoch or resumed.fast_forward
+            self._settled[worker] = Note(
+                worker,
+                rng=saved.rng,  # already plain: `plain_rng` takes it as it is
+                dataset_state=saved.dataset_state,
+                iterator_state=saved.iterator_state,
+                ended=not saved.drain if earlier else saved.ended,
+                epoch=self.epochs - 1 if earlier else self.epochs,
+            )
 
     @property
     def in_process(self) -> bool:
@@ -122,13 +163,18 @@ class DatasetSnapshots:
         self._made += 1
         if note is not None:
             note.epoch = self.epochs
-            if note.rng is not None:
+            if isinstance(note.rng, tuple):  # as a worker sends it: what changed
                 note.rng = self._full_rng(note.worker, note.rng)
-        self._window.append((self._made, note))
-        while len(self._window) > self._keep:
-            _, old = self._window.popleft()
-            if old is not None:
-                self._settled[old.worker] = old
+        with self._lock:
+            self._window.append((self._made, note))
+            while len(self._window) > self._keep:
+                _, old = self._window.popleft()
+                if old is not None:
+                    self._settled[old.worker] = old
+
+    def _read(self) -> tuple[Notes, list[tuple[int, Note | None]]]:
+        with self._lock:
+            return dict(self._settled), list(self._window)
 
     def _full_rng(self, worker: int | None, rng: RawRng) -> RawRng:
         """A note's generator states, those unchanged since the worker's previous note filled in
@@ -145,10 +191,10 @@ class DatasetSnapshots:
     def as_of_made(self, made: int) -> Notes | None:
         """Each worker's latest note as of the ``made``-th outcome of the iterator; ``None`` if
         that is no longer known (out of the window)."""
-        if self._window and self._window[0][0] > made + 1:
+        notes, window = self._read()
+        if window and window[0][0] > made + 1:
             return None
-        notes = dict(self._settled)
-        for index, note in self._window:
+        for index, note in window:
             if index > made:
                 break
             if note is not None:
@@ -168,18 +214,22 @@ class DatasetSnapshots:
         """Each worker's latest note before this epoch's first outcome (persistent workers)."""
         return self._at_start
 
-    def last_worker(self, received: int) -> tuple[int | None, int]:
-        """The worker that made the last of ``received`` outcomes, and how many outcomes without
-        a note (errors) came after its; ``(None, n)`` when none is known."""
+    def next_worker(self, received: int, num_workers: int) -> int:
+        """The worker whose batch comes after ``received`` outcomes of this epoch: the one after
+        the worker of the last of them with a note, one further for each without (an error from
+        a worker); with none of this epoch's, the one its start gave (a resumed epoch's)."""
         made = self._start + received - self._offset
+        _, window = self._read()
         after = 0
-        for index, note in reversed(self._window):
+        for index, note in reversed(window):
             if index > made:
                 continue
-            if note is not None:
-                return note.worker, after
+            if index <= self._start:
+                break
+            if note is not None and note.worker is not None:
+                return (note.worker + 1 + after) % num_workers
             after += 1
-        return None, after + max(0, made - self._start - len(self._window))
+        return (self._next_worker + made - self._start) % num_workers
 
 
 class _Feed(Iterator[Any]):

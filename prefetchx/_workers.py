@@ -51,15 +51,17 @@ def has_own_state(obj: Any) -> bool:
 class Note:
     """A worker's (or, with ``worker=None``, this process's) state right after it made a batch.
 
-    ``dataset_state`` is the dataset's own state where it has one and is not its own iterator;
-    ``iterator_state`` the state of the iterator its ``__iter__`` returned, where that has one
-    (an IterableDataset's); ``ended`` whether that iterator is exhausted; ``error`` the text of
-    a ``state_dict()`` that raised; ``epoch`` which epoch of its DataLoader iterator it was
-    made in (numbered by the main process as it takes the note off).
+    ``rng`` holds its generator states as read (a resumed worker's saved ones, before it brings
+    its own: plain, as `prefetchx._state` has them); ``dataset_state`` the dataset's own state
+    where it has one and is not its own iterator; ``iterator_state`` the state of the iterator
+    its ``__iter__`` returned, where that has one (an IterableDataset's); ``ended`` whether that
+    iterator is exhausted; ``error`` the text of a ``state_dict()`` that raised; ``epoch``
+    which epoch of its DataLoader iterator it was made in (numbered by the main process as it
+    takes the note off).
     """
 
     worker: int | None
-    rng: RawRng | None = None
+    rng: RawRng | dict[str, Any] | None = None
     dataset_state: Any = None
     iterator_state: Any = None
     ended: bool = False

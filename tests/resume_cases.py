@@ -256,3 +256,28 @@ def interrupted_and_resumed(
         return [*before, got + epoch_of(resumed), *(epoch_of(resumed) for _ in range(later))]
     finally:
         resumed.close()
+
+
+def resumed_twice(make: Make, epoch: int, first: int, second: int, later: int = 2) -> list[Any]:
+    """As `interrupted_and_resumed`, with the resumed loader interrupted again ``second``
+    batches further into the epoch (``0``: before its first), and resumed once more."""
+    seed_all(0)
+    loader = make(DataLoaderX)
+    assert isinstance(loader, DataLoaderX)
+    before = [epoch_of(loader) for _ in range(epoch)]
+    got: list[Any] = []
+    for take, seed in ((first, 1234), (second, 99)):
+        it = iter(loader)
+        got += [plain(next(it)) for _ in range(take)]
+        state, rngs = through_disk(loader.state_dict()), global_rngs()
+        del it
+        loader.close()
+        seed_all(seed)
+        loader = make(DataLoaderX)
+        assert isinstance(loader, DataLoaderX)
+        loader.load_state_dict(state)
+        set_global_rngs(rngs)
+    try:
+        return [*before, got + epoch_of(loader), *(epoch_of(loader) for _ in range(later))]
+    finally:
+        loader.close()

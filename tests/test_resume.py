@@ -1065,3 +1065,27 @@ def test_iteration_never_depends_on_the_datasets_state_protocol(
     resumed = make(DataLoaderX)
     resumed.load_state_dict(state)
     assert got + as_lists(resumed) == expected[0]
+
+
+@pytest.mark.xfail(reason="#63 item 1: fixed by the thread-stage rebuild", strict=False)
+@pytest.mark.parametrize("max_prefetch", [0, 2])
+def test_a_state_after_break_in_a_fast_loop_counts_every_batch_received(max_prefetch: int) -> None:
+    # #63 item 1: with num_workers=0 and a loop faster than about 1 ms a batch, a state taken
+    # after `break` (the loop's iterator dropped) counted the batches of the stage's last
+    # window only: the resumed epoch trained on most of them again.
+    def make(cls: type[DataLoader[Any]]) -> DataLoader[Any]:
+        kwargs = {"max_prefetch": max_prefetch} if cls is DataLoaderX else {}
+        generator = torch.Generator().manual_seed(4)
+        return cls(range(2000), batch_size=2, shuffle=True, generator=generator, **kwargs)
+
+    expected = as_lists(make(DataLoader))
+    loader = make(DataLoaderX)
+    got = []
+    for batch in loader:
+        got.append(batch.tolist())
+        if len(got) == 700:
+            break
+    state = loader.state_dict()
+    resumed = make(DataLoaderX)
+    resumed.load_state_dict(state)
+    assert got + as_lists(resumed) == expected

@@ -16,6 +16,7 @@ from tests.resume_cases import (
     build,
     epoch_of,
     interrupted_and_resumed,
+    resumed_twice,
     seed_all,
     uninterrupted,
 )
@@ -125,3 +126,27 @@ def test_persistent_workers_replay_the_draws_after_their_last_batch_of_an_epoch(
     expected = uninterrupted(make, epochs=4)
     assert len(expected[1]) == 6  # 2 shards of 11: 3 batches of 3 each, 2 items dropped
     assert interrupted_and_resumed(make, epoch=1, consumed=consumed) == expected
+
+
+@pytest.mark.parametrize(("first", "second"), [(1, 0), (1, 1), (2, 3)])
+@pytest.mark.parametrize(
+    ("num_workers", "persistent", "max_prefetch"),
+    [(0, False, 0), (2, False, 2), (2, True, 2)],
+    ids=["0-workers", "2-workers", "2-persistent"],
+)
+@pytest.mark.parametrize("state", ["dataset", "iterator", None])
+def test_a_resumed_epoch_resumes_again_from_a_state_taken_in_it(
+    state: str | None,
+    num_workers: int,
+    persistent: bool,
+    max_prefetch: int,
+    first: int,
+    second: int,
+) -> None:
+    # A state taken in a resumed epoch holds the saved states of the workers that have not
+    # brought a batch since, the worker whose batch comes next, and before the first batch the
+    # dataset's state as loaded (a checkpoint every N steps of a resumed run). The fuzz found
+    # the next worker taken from the epoch before, and the loaded state not yet set up.
+    make = _maker(state, num_workers, persistent, max_prefetch)
+    expected = uninterrupted(make, epochs=4)
+    assert resumed_twice(make, epoch=1, first=first, second=second) == expected

@@ -16,6 +16,7 @@ from tests.resume_cases import (
     Shards,
     build,
     interrupted_and_resumed,
+    resumed_twice,
     uninterrupted,
 )
 
@@ -123,3 +124,25 @@ def test_an_iterable_datasets_workers_draw_the_next_epochs_seeds_after_a_resume_
 
     expected = uninterrupted(make, epochs=4)
     assert interrupted_and_resumed(make, epoch=1, consumed=None) == expected
+
+
+@pytest.mark.parametrize(("first", "second"), [(1, 0), (1, 1), (3, 2)])
+@pytest.mark.parametrize("persistent", [False, True], ids=["new-workers", "persistent"])
+def test_a_resumed_epoch_resumes_again_with_every_workers_draws(
+    persistent: bool, first: int, second: int
+) -> None:
+    # A state taken in a resumed epoch before a worker brought a batch holds that worker's
+    # saved generator states, not none (its next batch would draw as a fresh worker's).
+    def make(cls: type[DataLoader[Any]]) -> DataLoader[Any]:
+        return build(
+            cls,
+            Counted(N),
+            batch_size=BATCH,
+            shuffle=True,
+            num_workers=2,
+            persistent_workers=persistent,
+            generator=_generator(True),
+        )
+
+    expected = uninterrupted(make, epochs=4)
+    assert resumed_twice(make, epoch=1, first=first, second=second) == expected
