@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -15,16 +16,19 @@ def map_tensors(batch: Any, fn: TensorFn) -> Any:
     """Return ``batch`` with ``fn`` applied to every tensor leaf.
 
     Tuples, lists, dicts (any `Mapping`), namedtuples and dataclass instances are rebuilt with
-    their own type; every other leaf is passed through unchanged.
+    their own type, as DataLoader's pinning rebuilds them (see `rebuild_mapping`); every other
+    leaf is passed through unchanged.
     """
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(map_tensors(item, fn) for item in batch))
-    if isinstance(batch, (list, tuple)):
+    if isinstance(batch, tuple):
         return type(batch)(map_tensors(item, fn) for item in batch)
+    if isinstance(batch, list):
+        return rebuild_list(batch, [map_tensors(item, fn) for item in batch])
     if isinstance(batch, Mapping):
-        return type(batch)({key: map_tensors(value, fn) for key, value in batch.items()})  # type: ignore[call-arg]  # dict subclasses take a dict
+        return rebuild_mapping(batch, {key: map_tensors(value, fn) for key, value in batch.items()})
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         changes = {
             f.name: map_tensors(getattr(batch, f.name), fn)
@@ -71,7 +75,7 @@ def map_input(batch: Any, input_key: int | str, fn: TensorFn) -> Any:
             )
         new = dict(batch)
         new[input_key] = _apply(batch[input_key], input_key, fn)
-        return type(batch)(new)  # type: ignore[call-arg]  # dict subclasses take a dict
+        return rebuild_mapping(batch, new)
     if isinstance(input_key, str):
         fields = _field_names(batch)
         if fields is None:
@@ -96,12 +100,43 @@ def map_input(batch: Any, input_key: int | str, fn: TensorFn) -> Any:
         items[input_key] = _apply(items[input_key], input_key, fn)
         if hasattr(batch, "_fields"):
             return type(batch)(*items)
+        if isinstance(batch, list):
+            return rebuild_list(batch, items)
         return type(batch)(items)
     raise TypeError(
         f"`input_key` {input_key!r} cannot select the input from a batch of type "
         f"{type(batch).__name__}; batches must be a tensor, a tuple, a list, a "
         "namedtuple, a mapping or a dataclass."
     )
+
+
+def rebuild_mapping(batch: Mapping[Any, Any], items: dict[Any, Any]) -> Mapping[Any, Any]:
+    """``batch`` with ``items`` for its values, as DataLoader's pinning rebuilds a mapping.
+
+    A mutable mapping is copied and updated, so that what its constructor does not take (a
+    `collections.defaultdict`'s factory, a subclass's own attributes) is kept; any other is
+    built from a dict; one that takes neither becomes a plain dict.
+    """
+    try:
+        if isinstance(batch, MutableMapping):
+            clone = copy.copy(batch)
+            clone.update(items)
+            return clone
+        return type(batch)(items)  # type: ignore[call-arg]  # a Mapping's constructor is its own
+    except TypeError:
+        return items
+
+
+def rebuild_list(batch: list[Any], items: list[Any]) -> list[Any]:
+    """``batch`` with ``items`` for its elements, as DataLoader's pinning rebuilds a list: a
+    copy with each element set (a subclass's constructor may take other arguments)."""
+    try:
+        clone = copy.copy(batch)
+        for i, item in enumerate(items):
+            clone[i] = item
+    except TypeError:
+        return items
+    return clone
 
 
 def _apply(value: Any, input_key: int | str, fn: TensorFn) -> torch.Tensor:

@@ -49,7 +49,7 @@ from time import perf_counter
 from typing import Any, Generic, TypeVar
 
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
-from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
 
 from prefetchx import _engine
 from prefetchx._choose import WINDOW, Window
@@ -77,12 +77,14 @@ class Epoch:
         """An IterableDataset's own states after each batch, where they can be known."""
 
 
-class PrefetchIterator(Iterator[T], Generic[T]):
+class PrefetchIterator(_BaseDataLoaderIter, Iterator[T], Generic[T]):
     """The iterator `iter()` returns for a `DataLoaderX` or a `Prefetcher`.
 
     It behaves as the DataLoader iterator it wraps (``next()``, ``len()``, not picklable), with
     the prefetch stages behind ``next()``. ``close()`` and ``with`` stop its thread; see the
-    module docstring for its whole lifecycle.
+    module docstring for its whole lifecycle. It is a DataLoader iterator for ``isinstance``
+    (`_BaseDataLoaderIter`, whose ``__init__`` it does not run): frameworks that leave DataLoader
+    iterators out of what they copy or pickle (Lightning's ``CombinedLoader``) leave it out too.
     """
 
     def __init__(
@@ -306,8 +308,9 @@ class PrefetchIterator(Iterator[T], Generic[T]):
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
-    def _num_yielded(self) -> int:
-        """DataLoader's count of the batches handed to the loop this epoch (not the errors)."""
+    def _num_yielded(self) -> int:  # type: ignore[override]  # DataLoader's is a plain int
+        """DataLoader's count of the batches handed to the loop this epoch (not the errors):
+        the epoch's own count, read-only."""
         return self.epoch.stats.batches
 
     def _shutdown_workers(self) -> None:
@@ -336,7 +339,7 @@ class PrefetchIterator(Iterator[T], Generic[T]):
         stage = state.get("_stage")
         source = state.get("_source")
         if stage is not None and isinstance(source, _MultiProcessingDataLoaderIter):
-            stage.abandon()
+            self._thread.drop()
             if self._thread.inside_source and not sys.is_finalizing():
                 shut_down_under_thread(source)
 

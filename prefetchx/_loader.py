@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import multiprocessing
 import sys
 import threading
 import warnings
@@ -13,25 +14,27 @@ from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset
 
 from prefetchx import _engine
 from prefetchx._iterator import Epoch, PrefetchIterator, loop_calls
 from prefetchx._pipeline import Pipeline
 from prefetchx._producer import settle
 from prefetchx._resume import (
-    DatasetSnapshots,
     IndexRecorder,
-    IterableResume,
     Position,
-    Resume,
-    before_first_draw,
     between_epochs,
     describe,
     has_own_state,
+    inside_epoch,
+    is_iterable,
     random_generators,
+    worker_plans,
 )
+from prefetchx._snapshots import DatasetSnapshots
+from prefetchx._state import Saved
 from prefetchx._stats import EpochStats
+from prefetchx._workers import Ends, TaggingCollate, WorkerInit, WorkersIter
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -161,19 +164,19 @@ class DataLoaderX(DataLoader[T_co]):
         self.device_prefetch = device_prefetch
         self.non_blocking = non_blocking
         self._latest: Epoch | None = None
-        self._resume: Resume | IterableResume | None = None
+        self._resume: Saved | None = None
         self._live: weakref.WeakSet[PrefetchIterator[Any]] = weakref.WeakSet()
         if self._pipeline.device.type == "cuda" and _refuses_pinning(dataset, args, kwargs):
             self._pipeline.pin_host = False
         super().__init__(dataset, *args, **kwargs)
 
-    def __iter__(self) -> PrefetchIterator[Any]:  # type: ignore[override]  # DataLoader names its private iterator class
+    def __iter__(self) -> PrefetchIterator[Any]:
         # DataLoader's own __iter__ decides, as for DataLoader: a new iterator each time
         # (`_get_iterator`, below), or with persistent workers the one it keeps, reset
         # (`PrefetchIterator._reset`).
         return super().__iter__()  # type: ignore[return-value]  # our _get_iterator's
 
-    def _get_iterator(self) -> PrefetchIterator[Any]:  # type: ignore[override]  # as __iter__
+    def _get_iterator(self) -> PrefetchIterator[Any]:
         """A new iterator: DataLoader's own, made here on the calling thread, behind the stages.
 
         On the calling thread because DataLoader installs its worker-failure (SIGCHLD) handler
@@ -183,25 +186,69 @@ class DataLoaderX(DataLoader[T_co]):
         if self.num_workers > 0:
             # Workers fork: let threads of abandoned iterators finish first (see settle).
             settle(_engine.JOIN_TIMEOUT)
+        resume = self._resume
         recorder = self._new_recorder()
+        recorder.feed = self._snapshots()
         epoch, building = self._begin_epoch(recorder, draws_base_seed=True)
-        snapshots = self._dataset_snapshots()  # before DataLoader calls iter(dataset)
         with _handing(self, recorder), building:
-            source = super()._get_iterator()
-        if recorder is not None:
-            recorder.serve(source)
-        epoch.snapshots = feed = snapshots.over(source) if snapshots is not None else None
+            source = self._dataloader_iterator(resume, recorder.feed)
+        recorder.serve(source)
+        feed = self._resume_in_process(source, resume, recorder)
         iterator: PrefetchIterator[Any] = PrefetchIterator(
             source,
             self._pipeline,
             epoch,
             keep_source=self._keeps_iterator(),
             recorder=recorder,
-            feed=feed,
+            feed=feed.over(source) if feed is not None else None,
             own_calls=loop_calls(self),
         )
         self._live.add(iterator)
         return iterator
+
+    def _dataloader_iterator(self, resume: Saved | None, notes: DatasetSnapshots | None) -> Any:
+        """DataLoader's own iterator; with workers, started with DataLoaderX's worker functions
+        (each batch carries its worker's state; a resumed worker loads its saved one; persistent
+        workers over an IterableDataset leave their states in ``notes.ends`` as each epoch's
+        iteration ends)."""
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        self.check_worker_number_rationality()
+        ends = None
+        if self._keeps_iterator() and is_iterable(self):
+            context = self.multiprocessing_context or multiprocessing
+            ends = Ends(context, self.num_workers)
+            assert notes is not None  # made for every iterator with workers
+            notes.ends = ends
+        init = WorkerInit(self.worker_init_fn, worker_plans(resume, self.num_workers), ends)
+        return WorkersIter(self, TaggingCollate(self.collate_fn), init)
+
+    def _resume_in_process(
+        self, source: Any, resume: Saved | None, recorder: IndexRecorder
+    ) -> DatasetSnapshots | None:
+        """Without workers: give the iterator DataLoader made over the dataset its saved state,
+        and say whether the epoch's notes are needed (a dataset or iterator with its own state,
+        or a fast-forward); with workers they always are."""
+        feed = recorder.feed
+        if self.num_workers > 0 or feed is None:
+            return feed
+        fetcher = getattr(source, "_dataset_fetcher", None)
+        iterator = getattr(fetcher, "dataset_iter", None)
+        if resume is not None and resume.in_epoch and not resume.fast_forward:
+            if resume.iterator_state is not None:
+                iterator.load_state_dict(resume.iterator_state)  # type: ignore[union-attr]  # checked at load
+            if resume.ended:
+                fetcher.ended = True  # type: ignore[union-attr]  # an IterableDataset's fetcher
+        needed = (
+            has_own_state(self.dataset)
+            or has_own_state(iterator)
+            or (resume is not None and resume.fast_forward)
+        )
+        if not needed:
+            recorder.feed = None
+            assert self._latest is not None
+            self._latest.snapshots = None
+        return recorder.feed
 
     @property
     def stats(self) -> EpochStats:
@@ -219,46 +266,45 @@ class DataLoaderX(DataLoader[T_co]):
             return handed[1]
         return super()._index_sampler
 
-    def _new_recorder(self) -> IndexRecorder | None:
-        if isinstance(self.dataset, IterableDataset):
-            return None  # no sampler: DataLoader's placeholder draws nothing to record
+    def _new_recorder(self) -> IndexRecorder:
+        if is_iterable(self):  # DataLoader's placeholder sampler: nothing to replay
+            return IndexRecorder(super()._index_sampler, random_generators(self), replays=False)
         lead = self.num_workers * (self.prefetch_factor or 0)
         return IndexRecorder(super()._index_sampler, random_generators(self), lead)
 
     def _begin_epoch(
-        self, recorder: IndexRecorder | None, draws_base_seed: bool
+        self, recorder: IndexRecorder, draws_base_seed: bool
     ) -> tuple[Epoch, contextlib.AbstractContextManager[None]]:
         """A new epoch, fresh or resumed: what to report of it, and what to wrap DataLoader's
         making or resetting of its iterator in."""
         resume, self._resume = self._resume, None
-        epoch: Epoch
-        building: contextlib.AbstractContextManager[None]
-        if recorder is None:
-            building = contextlib.nullcontext()
-            if isinstance(resume, IterableResume) and resume.dataset_state is not None:
-                self.dataset.load_state_dict(resume.dataset_state)  # type: ignore[attr-defined]  # checked at load
-                if resume.in_epoch and draws_base_seed:
-                    # The saved run drew DataLoader's base seed when its epoch began, before
-                    # the state; the resumed epoch must not draw it again.
-                    building = _keeping(self.generator or torch.default_generator)
-            epoch = Epoch(None)
-        else:
-            assert not isinstance(resume, IterableResume)  # load_state_dict checked the kind
-            position = Position()
-            recorder.begin(position, resume, draws_base_seed)
-            epoch, building = Epoch(position), recorder.building(draws_base_seed)
+        position = Position()
+        recorder.begin(position, resume)
+        feed = recorder.feed
+        if feed is not None:
+            in_epoch = resume is not None and resume.in_epoch
+            skipped = resume.consumed if resume is not None and in_epoch else 0
+            fast = in_epoch and resume is not None and resume.fast_forward
+            feed.begin(offset=0 if fast else skipped, skip=skipped if fast else 0, resumed=resume)
+        if resume is not None and resume.dataset_state is not None:
+            # Before DataLoader calls iter(dataset), or its new workers copy the dataset.
+            self.dataset.load_state_dict(resume.dataset_state)  # type: ignore[attr-defined]  # checked at load
+        epoch = Epoch(position)
+        epoch.snapshots = feed
         self._latest = epoch
-        return epoch, _beginning(epoch, building)
+        return epoch, _beginning(epoch, recorder.building(draws_base_seed))
 
-    def _dataset_snapshots(self) -> DatasetSnapshots | None:
-        """For an IterableDataset with its own state, iterated in this process: its states."""
-        if self.num_workers > 0 or not isinstance(self.dataset, IterableDataset):
-            return None  # workers iterate copies of the dataset: their states stay there
-        if not has_own_state(self.dataset):
-            return None
+    def _snapshots(self) -> DatasetSnapshots | None:
+        """Where the epoch's datasets and workers are noted after each batch: with workers
+        always (each batch comes with its worker's note), without them for a dataset that may
+        have a state (`_resume_in_process` drops it if it has none)."""
         # The stages run at most this far ahead of the batch the loop has.
-        keep = self._pipeline.max_prefetch + self._pipeline.device_prefetch + 8
-        return DatasetSnapshots(self.dataset, keep)
+        keep = self._pipeline.max_prefetch + self._pipeline.device_prefetch + 64
+        if self.num_workers > 0:
+            return DatasetSnapshots(keep)
+        if not is_iterable(self) and not has_own_state(self.dataset):
+            return None
+        return DatasetSnapshots(keep, self.dataset, in_process=True)
 
     def _keeps_iterator(self) -> bool:
         """Whether DataLoader keeps one iterator for all epochs (persistent workers)."""
@@ -269,15 +315,26 @@ class DataLoaderX(DataLoader[T_co]):
 
         Counts the batches the loop has received (an error raised in a batch's place counts as
         that batch), not those the stages have made ahead, of the epoch the loader started last.
-        Call it when you checkpoint the model; the state fits ``torch.save`` and
-        ``torch.load(weights_only=True)``. See `load_state_dict`.
+        Call it when you checkpoint the model. The state is plain data (ints, lists, bools,
+        strings, ``None``, dicts, and whatever a dataset's own ``state_dict()`` returns): it
+        survives ``torch.save`` with ``torch.load(weights_only=True)`` and, where the dataset's
+        state does, a JSON round trip; two states compare with ``==``. See `load_state_dict`,
+        and the Design page of the docs ("Resume semantics") for every field.
 
-        For an ``IterableDataset`` there is no sampler to replay. A dataset with its own
-        ``state_dict()``/``load_state_dict()`` (torchdata's convention) is saved in the state:
-        between epochs as it is, inside an epoch with ``num_workers=0`` as it was right after
-        the last batch the loop received (the thread's lead does not count). Otherwise the state
-        says how far the loop got, which cannot resume inside an epoch; checkpointing frameworks
-        save and load it alike.
+        Besides the count it holds the random generator states the sampler and DataLoader's
+        workers' base seed were drawn from, and, as they were right after the last batch the
+        loop received: the dataset's own state where it has one (``state_dict()`` and
+        ``load_state_dict()``, torchdata's ``Stateful`` protocol, for map-style and iterable
+        datasets), the state of the iterator an IterableDataset's ``__iter__`` returned where
+        that has one, and with workers each worker's: its torch, Python and numpy global
+        generators and its copy's and iterator's states. To know them whatever the stages and
+        the workers ran ahead, they are noted with every batch where it is made; a
+        ``state_dict()`` that raises there does not end the epoch, but makes this method raise
+        `ValueError` if it needs that state.
+
+        Raises:
+            ValueError: A dataset's or iterator's ``state_dict()`` raised after the last batch
+                the loop received, so the state there is not known.
 
         Examples:
             >>> loader = DataLoaderX(range(10), batch_size=2, max_prefetch=1)
@@ -297,31 +354,15 @@ class DataLoaderX(DataLoader[T_co]):
         if self._resume is not None:  # loaded and not used yet: the same state back
             return self._resume.to_state(described)
         epoch = self._latest
-        in_epoch = epoch is not None and not epoch.tally.ended
-        if isinstance(self.dataset, IterableDataset):
-            consumed = epoch.tally.count if epoch is not None and in_epoch else 0
-            own: Any = None
-            if not in_epoch and has_own_state(self.dataset):
-                own = self.dataset.state_dict()  # type: ignore[attr-defined]  # checked
-            elif epoch is not None and epoch.snapshots is not None:
-                own = epoch.snapshots.after(consumed)
-            return IterableResume(in_epoch, consumed, own).to_state(described)
-        generators = random_generators(self)
-        if epoch is None or not in_epoch:
-            state = between_epochs(generators, base_seed_next=not self._has_kept_iterator())
-        else:
-            position = epoch.position
-            assert position is not None  # map-style epochs have one
-            if not position.drawn:
-                state = before_first_draw(position, generators)
-            else:
-                assert position.at_iter is not None
-                assert position.at_draw is not None
-                consumed = position.skipped + epoch.tally.count
-                state = Resume(
-                    True, consumed, position.digest, position.at_iter, position.at_draw, False
-                )
-        return state.to_state(described)
+        if epoch is None or epoch.tally.ended:
+            kept = self._has_kept_iterator()
+            recorder = getattr(self._iterator, "_recorder", None) if kept else None
+            iterated = epoch is not None and self.num_workers == 0
+            return between_epochs(self, recorder, kept, iterated).to_state(described)
+        position = epoch.position
+        assert position is not None  # every epoch DataLoaderX begins has one
+        received = position.skipped + epoch.tally.count
+        return inside_epoch(self, position, received, epoch.snapshots).to_state(described)
 
     def _has_kept_iterator(self) -> bool:
         return self._keeps_iterator() and self._iterator is not None
@@ -330,62 +371,98 @@ class DataLoaderX(DataLoader[T_co]):
         """Resume from a `state_dict` at the next ``iter()``.
 
         The next epoch yields exactly the batches the saved run had not yet handed to its loop,
-        in order, then later epochs draw as the saved run's would. Skipped batches are skipped
-        at the sampler: their data is never loaded. The loader's own ``generator`` and a
-        sampler's generator are restored; the global RNG is left alone, so without a
+        in order, with the same random draws, then later epochs draw as the saved run's would.
+        A map-style dataset's skipped batches are skipped at the sampler: their data is never
+        loaded. The loader's own ``generator`` and a sampler's generator are restored, and the
+        workers get the saved run's base seed; the global RNG is left alone, so without a
         ``generator`` later epochs match when you restore ``torch.get_rng_state()`` with the
-        rest of your checkpoint (the resumed epoch matches either way). A sampler you built
-        without a generator for a loader with one draws from the global RNG, which is then not
-        replayed: the resumed epoch checks its first batch's indices, raises ``ValueError``
-        and ends; give that sampler the loader's generator. A ``DistributedSampler``'s epoch is
-        yours to set, as always.
+        rest of your checkpoint (the resumed epoch matches either way). With workers, each new
+        worker gets the saved worker's torch, Python and numpy generator states and dataset
+        state, and the round robin starts at the worker whose batch comes next, so random
+        augmentations drawn in the workers replay. Persistent workers running in this loader
+        are shut down: the resumed epoch starts new ones, as the saved run's.
 
-        Random augmentations drawn in the dataset from the workers' RNG are not replayed: they
-        depend on what each worker drew before, which skipping does not load. An
-        ``IterableDataset``'s own saved state is loaded into it before the next ``iter()``; a
-        state inside an epoch without one (no ``state_dict`` on the dataset, or workers) warns,
-        and the next epoch starts from the beginning of the dataset. So does a state inside an
-        epoch of a loader with ``in_order=False`` and workers, whose batches come as the workers
-        finish them, so that the ones the loop received are not the first ones drawn: it warns,
-        and the next epoch is that epoch again from its first batch, in the same order.
+        An ``IterableDataset`` resumes from its own state (the dataset's, in this process or in
+        each worker, and the state of the iterator its ``__iter__`` returns, loaded before its
+        first item); one with neither is fast-forwarded: the resumed epoch makes and drops the
+        batches the saved run's loop received, and logs a warning saying so (logger
+        ``prefetchx``). A ``DistributedSampler``'s epoch is yours to set, as always.
+
+        Where exactness is impossible, this warns once and says what to do:
+
+        * a state inside an epoch of a loader with ``in_order=False`` and workers over a
+          map-style dataset: its batches come as the workers finish them, so which of the
+          epoch's batches the loop received is not known. The next epoch is that epoch again,
+          from its first batch, in the same order (way out: checkpoint between epochs, or
+          ``in_order=True``);
+        * a state saved with another ``num_workers``: the order of the batches is exact, but the
+          workers' generators and dataset copies cannot be mapped onto other workers, so random
+          draws made in the workers differ (way out: resume with the saved ``num_workers``).
+
+        A sampler you built without a generator for a loader with one draws from the global
+        RNG, which is then not replayed: the resumed epoch checks its first batch's indices,
+        raises ``ValueError`` and ends; give that sampler the loader's generator.
 
         Raises:
             TypeError: ``state`` is not a state of a `DataLoaderX`.
-            ValueError: A field of ``state`` is missing or malformed (the message names it),
-                ``state`` comes from a loader with another dataset length, batch size,
-                ``drop_last``, sampler, shard or ``in_order``, holds a dataset state for a
-                dataset that has none, or (at the next ``iter()`` or first batch) its replay
-                draws other indices.
+            ValueError: A field of ``state`` is missing or malformed (the message names it and
+                its value), fields contradict each other, ``state`` is of another version, comes
+                from a loader with another dataset length, batch size, ``drop_last``, sampler,
+                shard or ``in_order``, holds a dataset state for a dataset that has none, is
+                inside an epoch of an IterableDataset saved with another ``num_workers``, or (at
+                the next ``iter()`` or first batch) its replay draws other indices.
         """
         described = describe(self, super()._index_sampler)
-        if isinstance(self.dataset, IterableDataset):
-            resume = IterableResume.from_state(state, described)
-            if resume.dataset_state is not None and not has_own_state(self.dataset):
-                raise ValueError(
-                    "`state['dataset_state']` holds the dataset's own state, but this dataset "
-                    f"({type(self.dataset).__name__}) has no state_dict()/load_state_dict()."
-                )
-            if resume.in_epoch and resume.consumed and resume.dataset_state is None:
-                warnings.warn(
-                    f"prefetchx: the state was taken {resume.consumed} batches into an epoch of "
-                    "an IterableDataset, which has no sampler to replay and whose own state was "
-                    "not saved (it has no state_dict(), or workers iterate it); the next epoch "
-                    "starts from the beginning of the dataset.",
-                    stacklevel=2,
-                )
-            self._resume = resume
-        else:
-            replay = Resume.from_state(state, described, random_generators(self))
-            if replay.in_epoch and replay.consumed and described.get("in_order") is False:
-                warnings.warn(
-                    f"prefetchx: the state was taken {replay.consumed} batches into an epoch of "
-                    "a loader with in_order=False and workers, whose batches come as the "
-                    "workers finish them: which of the epoch's batches the loop received is "
-                    "not known. The next epoch is that epoch again, from its first batch.",
-                    stacklevel=2,
-                )
-                replay = dataclasses.replace(replay, consumed=0)
-            self._resume = replay
+        saved = Saved.from_state(state, described, random_generators(self))
+        if saved.dataset_state is not None and not has_own_state(self.dataset):
+            raise ValueError(
+                "`state['dataset_state']` holds the dataset's own state, but this dataset "
+                f"({type(self.dataset).__name__}) has no state_dict()/load_state_dict()."
+            )
+        if saved.num_workers != self.num_workers:
+            saved = self._other_workers(saved)
+        inside = saved.in_epoch and saved.consumed
+        if inside and described.get("in_order") is False and not is_iterable(self):
+            # An IterableDataset resumes each worker from its own state: in order or not.
+            warnings.warn(
+                f"prefetchx: the state was taken {saved.consumed} batches into an epoch of "
+                "a loader with in_order=False and workers, whose batches come as the "
+                "workers finish them: which of the epoch's batches the loop received is "
+                "not known. The next epoch is that epoch again, from its first batch. "
+                "Checkpoint between epochs, or use in_order=True, to resume exactly.",
+                stacklevel=2,
+            )
+            saved = dataclasses.replace(saved, consumed=0)
+        kept: Any = self._iterator  # persistent workers: their states cannot be set now
+        if kept is not None:
+            self._iterator = None
+            kept._abandon()
+        self._resume = saved
+
+    def _other_workers(self, saved: Saved) -> Saved:
+        """A state saved with another ``num_workers``: without its workers' states, or refused
+        where the batches themselves would differ."""
+        if is_iterable(self) and saved.in_epoch and saved.consumed:
+            raise ValueError(
+                f"`state` was taken {saved.consumed} batches into an epoch of an IterableDataset "
+                f"with num_workers={saved.num_workers}; this loader has num_workers="
+                f"{self.num_workers}, whose epoch interleaves other shards, so no batch of it "
+                f"follows the saved ones. Resume with num_workers={saved.num_workers}, or from "
+                "a state taken between epochs."
+            )
+        if saved.workers is not None:
+            warnings.warn(
+                f"prefetchx: the state was taken with num_workers={saved.num_workers}; this "
+                f"loader has num_workers={self.num_workers}. The batches come in the saved "
+                "order, but the saved workers' random generators and dataset copies cannot be "
+                "given to other workers, so random draws made in the workers (augmentations) "
+                f"differ from the saved run's. Resume with num_workers={saved.num_workers} to "
+                "replay them.",
+                stacklevel=3,
+            )
+        return dataclasses.replace(
+            saved, workers=None, seed_at=None, num_workers=self.num_workers, next_worker=0
+        )
 
     def close(self) -> None:
         """Stop every iterator of this loader still running, and shut down persistent workers.

@@ -157,15 +157,17 @@ class Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generator
             except StopIteration:
                 value = Signal.END
             except BaseException as exc:
-                if self.stop_event.is_set():
-                    discard(exc)  # a Reaped, or a failure nobody will take
-                    return _STOPPED
                 value = Failure(exc)
             else:
                 self._produced(perf_counter() - start)
             finally:
                 self.in_source = False
                 del source
+        if self.stop_event.is_set() and value.__class__ is Failure:
+            # A Reaped, or a failure nobody will take. Freed out of the call: its frames may
+            # hold the last reference to a DataLoader iterator, whose shutdown then runs here.
+            discard(value.exc)
+            return _STOPPED
         if held:
             value = Warned(value, held[:])
             held.clear()

@@ -1,30 +1,34 @@
-"""Exact mid-epoch resume: what the sampler drew from, and how far the loop got.
+"""Exact mid-epoch resume: what the sampler and the generators drew from, and how far the loop got.
 
 Each DataLoader iterator that DataLoaderX makes is given an `IndexRecorder` as its index sampler
 (DataLoader's ``_index_sampler``: the batch sampler, or the sampler when batching is off). It hands
 the sampler's index batches on untouched, iterating the sampler exactly when and as often as
 DataLoader asks, and notes, for the epoch's `Position`, the states of the random generators the
-sampler draws from twice: when DataLoader calls ``iter()`` on it (a sampler that shuffles in
-``__iter__`` draws then) and at its first draw (a generator-based sampler such as
-``RandomSampler`` draws then), plus a checksum of the first index batch. A state is then O(1)
-plain data: those generator states, how many batches the loop has received (counted where batches
-leave the last stage, so whatever the stages ran ahead does not count), and the checksum.
+sampler and DataLoader draw from: when DataLoader begins to make (or reset) its iterator, before
+it draws its workers' base seed, and at the sampler's first draw (a generator-based sampler such
+as ``RandomSampler`` draws then), plus a checksum of the first index batch. What the datasets and
+the workers were at is noted batch by batch where the batches are made (`prefetchx._snapshots`,
+`prefetchx._workers`). A state is then plain data (`prefetchx._state`): those generator states,
+how many batches the loop has received (counted where batches leave the last stage, so whatever
+the stages ran ahead does not count), the checksum, and the notes of the last batch received.
 
-Resuming sets the generators to the noted states at the same two points, draws the consumed
-batches' indices again without loading their data, checks the first one against the checksum,
-and lets the DataLoader load the rest. The caller's global RNG comes out of a resumed ``iter()``
-as it went in; a generator of the loader or of its sampler comes out where the uninterrupted
-run's would be, so later epochs draw the same. DataLoader draws a base seed for its workers from
-the loader's generator (or the global one) whenever it makes a new iterator, but not when
-persistent workers reuse one; a state taken between epochs says which the saved run's next epoch
-would do, and the resumed epoch draws or undoes that draw to match.
+Resuming makes a new DataLoader iterator, with the generators set to the noted states at the same
+points: DataLoader draws the same base seed (its workers get the same seeds) and the sampler the
+same order; the consumed batches' indices are drawn again without loading their data and the
+first is checked against the checksum; the workers get their generators', datasets' and
+iterators' states back, and the round robin starts at the worker whose batch comes next. The
+caller's global RNG comes out of a resumed ``iter()`` as it went in; a generator of the loader or
+of its sampler comes out where the uninterrupted run's would be, so later epochs draw the same.
+DataLoader draws a base seed whenever it makes a new iterator, but not when persistent workers
+reuse one: a state then keeps the generator state the workers' seed was drawn from, and a state
+taken between epochs says which the saved run's next epoch would do.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
+import logging
 import weakref
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -33,21 +37,13 @@ from typing import Any
 
 import torch
 
-FORMAT = "prefetchx.DataLoaderX"
-VERSION = 2
-_SAMPLER_FIELDS = (
-    "loader",
-    "epoch_in_progress",
-    "consumed",
-    "digest",
-    "rng_states",
-    "rng_states_at_iter",
-    "base_seed_next",
-)
-_ITERABLE_FIELDS = ("loader", "epoch_in_progress", "consumed", "dataset_state")
+from prefetchx._snapshots import DatasetSnapshots
+from prefetchx._state import Saved, States, WorkerState
+from prefetchx._workers import Note, RawRng, WorkerPlan, has_own_state
 
-States = list[torch.Tensor | None]
-"""One state per generator of `random_generators`; ``None`` leaves that generator alone."""
+__all__ = ["DatasetSnapshots", "has_own_state"]  # also re-exported: where the stages import them
+
+logger = logging.getLogger("prefetchx")
 
 
 def digest(indices: Any) -> int:
@@ -72,11 +68,6 @@ def random_generators(loader: Any) -> list[torch.Generator]:
     return found
 
 
-def draw_base_seed(generator: torch.Generator) -> None:
-    """Draw from ``generator`` what DataLoader draws for its workers' base seed."""
-    torch.empty((), dtype=torch.int64).random_(generator=generator)
-
-
 def set_states(
     generators: Sequence[torch.Generator], states: Sequence[torch.Tensor | None]
 ) -> None:
@@ -96,6 +87,8 @@ def describe(loader: Any, index_sampler: Any) -> dict[str, Any]:
         "batches_per_epoch": _length(index_sampler),
         "sampler": f"{type(sampler).__module__}.{type(sampler).__qualname__}",
     }
+    if is_iterable(loader):
+        described["iterable"] = True
     for name in ("num_replicas", "rank"):  # DistributedSampler: a rank's shard
         value = getattr(sampler, name, None)
         if isinstance(value, int):
@@ -104,6 +97,13 @@ def describe(loader: Any, index_sampler: Any) -> dict[str, Any]:
         # Batches come as the workers finish them (torch >= 2.6), not in the sampler's order.
         described["in_order"] = False
     return described
+
+
+def is_iterable(loader: Any) -> bool:
+    """Whether the loader iterates an IterableDataset (DataLoader's own test)."""
+    from torch.utils.data.dataloader import _DatasetKind
+
+    return bool(loader._dataset_kind == _DatasetKind.Iterable)
 
 
 def _length(sized: Any) -> int | None:
@@ -115,16 +115,20 @@ def _length(sized: Any) -> int | None:
 
 @dataclass
 class Position:
-    """Where one epoch is in its sampler: filled in as the sampler starts drawing.
+    """Where one epoch is in its sampler: filled in as DataLoader makes its iterator and the
+    sampler starts drawing.
 
-    ``skipped`` batches were consumed before a resume; ``at_iter`` and ``at_draw`` are the
-    generators' states when DataLoader called ``iter()`` on the sampler and at its first draw;
+    ``skipped`` batches were consumed before a resume; ``at_iter`` holds the generators' states
+    when DataLoader began to make (or reset) its iterator, ``at_draw`` at the sampler's first
+    draw; ``seed_at`` the state of the first generator that DataLoader drew the workers' base
+    seed from, where that is not ``at_iter`` (persistent workers, after their first epoch);
     ``digest`` is the first index batch's checksum (``None`` for an empty epoch).
     """
 
     skipped: int = 0
     at_iter: States | None = None
     at_draw: States | None = None
+    seed_at: torch.Tensor | None = None
     digest: int | None = None
 
     @property
@@ -133,256 +137,44 @@ class Position:
         return self.at_draw is not None
 
 
-@dataclass(frozen=True)
-class Resume:
-    """A loaded state, waiting for the next epoch."""
-
-    in_epoch: bool
-    consumed: int
-    digest: int | None
-    at_iter: States
-    at_draw: States
-    base_seed_next: bool = True
-    """Between epochs: whether the saved run's next epoch draws DataLoader's base seed first."""
-
-    def to_state(self, loader: dict[str, Any]) -> dict[str, Any]:
-        """The state as plain data, for the loader that `describe` described."""
-        return {
-            **_header(loader, self.in_epoch, self.consumed),
-            "digest": self.digest,
-            "rng_states": _copies(self.at_draw),
-            "rng_states_at_iter": _copies(self.at_iter),
-            "base_seed_next": self.base_seed_next,
-        }
-
-    @classmethod
-    def from_state(
-        cls, state: object, loader: dict[str, Any], generators: Sequence[torch.Generator]
-    ) -> Resume:
-        """Check every field of ``state`` against this loader and its generators; parse it.
-
-        Raises:
-            TypeError: ``state`` is not a DataLoaderX state.
-            ValueError: A field is missing or malformed (the error names it and its value), or
-                the state comes from another loader.
-        """
-        fields = _checked_header(state, _SAMPLER_FIELDS, loader)
-        at_draw = _states(fields, "rng_states", generators)
-        at_iter = _states(fields, "rng_states_at_iter", generators)
-        return cls(
-            in_epoch=_bool(fields, "epoch_in_progress"),
-            consumed=_count(fields, "consumed"),
-            digest=_digest(fields),
-            at_iter=at_iter,
-            at_draw=at_draw,
-            base_seed_next=_bool(fields, "base_seed_next"),
-        )
-
-
-@dataclass(frozen=True)
-class IterableResume:
-    """A loaded state of a loader over an ``IterableDataset``.
-
-    ``dataset_state`` is the dataset's own ``state_dict()`` (torchdata's convention), taken
-    where the loop was: between epochs, or after the last batch the loop received. ``None``
-    when the dataset has none, or when its state there is not known (its copies iterate in the
-    worker processes): such a state inside an epoch cannot resume it.
-    """
-
-    in_epoch: bool
-    consumed: int
-    dataset_state: Any = None
-
-    def to_state(self, loader: dict[str, Any]) -> dict[str, Any]:
-        """The state as plain data."""
-        return {
-            **_header(loader, self.in_epoch, self.consumed),
-            "dataset_state": self.dataset_state,
-        }
-
-    @classmethod
-    def from_state(cls, state: object, loader: dict[str, Any]) -> IterableResume:
-        """Check every field of ``state`` against this loader; parse it."""
-        fields = _checked_header(state, _ITERABLE_FIELDS, loader)
-        return cls(
-            _bool(fields, "epoch_in_progress"), _count(fields, "consumed"), fields["dataset_state"]
-        )
-
-
-def has_own_state(dataset: Any) -> bool:
-    """Whether ``dataset`` keeps its own iteration state (``state_dict``/``load_state_dict``)."""
-    return callable(getattr(dataset, "state_dict", None)) and callable(
-        getattr(dataset, "load_state_dict", None)
-    )
-
-
-class DatasetSnapshots(Iterator[Any]):
-    """The source of the stages for an ``IterableDataset`` with its own state, iterated in this
-    process (``num_workers=0``): it notes ``dataset.state_dict()`` right after each batch is made
-    (or fails), in whichever thread made it, so the state of the batch the loop received last
-    can be told however far the thread has run ahead.
-
-    Only the last ``keep`` states are kept: the stages run at most that far ahead of the loop.
-    """
-
-    def __init__(self, dataset: Any, keep: int) -> None:
-        self._dataset = dataset
-        self._source: Iterator[Any] = iter(())
-        self._states: collections.deque[tuple[int, Any]] = collections.deque(maxlen=keep)
-        self._made = 0
-        self.initial = dataset.state_dict()
-        """The state before the epoch's first batch: made before DataLoader's iter(dataset)."""
-
-    def over(self, source: Iterator[Any]) -> DatasetSnapshots:
-        """Take batches from ``source``, DataLoader's iterator made after this."""
-        self._source = source
-        return self
-
-    def __next__(self) -> Any:
-        try:
-            batch = next(self._source)
-        except StopIteration:
-            raise
-        except BaseException:
-            self._note()
-            raise
-        self._note()
-        return batch
-
-    def _note(self) -> None:
-        self._made += 1
-        self._states.append((self._made, self._dataset.state_dict()))
-
-    def after(self, count: int) -> Any:
-        """The dataset's state after the first ``count`` outcomes, or ``None`` if not kept."""
-        if count == 0:
-            return self.initial
-        for made, state in reversed(self._states):
-            if made == count:
-                return state
-        return None
-
-
-def _header(loader: dict[str, Any], in_epoch: bool, consumed: int) -> dict[str, Any]:
-    """The fields every state has."""
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        "loader": loader,
-        "epoch_in_progress": in_epoch,
-        "consumed": consumed,
-    }
-
-
-def _copies(states: States) -> States:
-    return [s.clone() if s is not None else None for s in states]
-
-
-def _checked_header(
-    state: object, required: Sequence[str], loader: dict[str, Any]
-) -> dict[str, Any]:
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        got = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise TypeError(f"`state` must be a dict from DataLoaderX.state_dict(), got {got!r}.")
-    if state.get("version") != VERSION:
-        raise ValueError(
-            f"`state` has version {state.get('version')!r}; this prefetchx reads version {VERSION}."
-        )
-    missing = [name for name in required if name not in state]
-    if missing:
-        raise ValueError(f"`state` lacks {', '.join(missing)}: is it a whole state_dict()?")
-    theirs = state["loader"]
-    if not isinstance(theirs, dict):
-        raise ValueError(f"`state['loader']` must be a dict, got {theirs!r}.")
-    differ = sorted(k for k in loader.keys() | theirs.keys() if loader.get(k) != theirs.get(k))
-    if differ:
-        detail = "; ".join(f"{k} {theirs.get(k)!r} there, {loader.get(k)!r} here" for k in differ)
-        raise ValueError(f"`state` comes from a different loader: {detail}.")
-    return state
-
-
-def _bool(state: dict[str, Any], name: str) -> bool:
-    value = state[name]
-    if not isinstance(value, bool):
-        raise ValueError(f"`state['{name}']` must be a bool, got {value!r}.")
-    return value
-
-
-def _count(state: dict[str, Any], name: str) -> int:
-    value = state[name]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"`state` has {name}={value!r}; it must be an int >= 0.")
-    return value
-
-
-def _digest(state: dict[str, Any]) -> int | None:
-    value = state["digest"]
-    if value is not None and (
-        isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32
-    ):
-        raise ValueError(
-            f"`state['digest']` must be None or a 32-bit checksum (an int from 0 to 2**32 - 1), "
-            f"got {value!r}."
-        )
-    return value
-
-
-def _states(state: dict[str, Any], name: str, generators: Sequence[torch.Generator]) -> States:
-    values = state[name]
-    if not isinstance(values, (list, tuple)):
-        raise ValueError(f"`state['{name}']` must be a list of generator states, got {values!r}.")
-    if len(values) != len(generators):
-        raise ValueError(
-            f"`state['{name}']` holds {len(values)} random generator states; this loader's "
-            f"sampler draws from {len(generators)}."
-        )
-    out: States = []
-    for i, (value, generator) in enumerate(zip(values, generators, strict=True)):
-        if value is not None:
-            _check_generator_state(f"state['{name}'][{i}]", value, generator)
-        out.append(value)
-    return out
-
-
-def _check_generator_state(where: str, value: object, generator: torch.Generator) -> None:
-    """Refuse now what ``generator.set_state`` would refuse at the next ``iter()``."""
-    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
-        got = (
-            f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-            if isinstance(value, torch.Tensor)
-            else repr(value)
-        )
-        raise ValueError(f"`{where}` must be a uint8 generator state from get_state(), got {got}.")
-    probe = torch.Generator(device=generator.device)
-    try:
-        probe.set_state(value)
-    except (RuntimeError, ValueError) as exc:
-        raise ValueError(
-            f"`{where}` is not a state of a {generator.device} random generator: {exc}"
-        ) from None
-
-
 class IndexRecorder:
-    """Stands in for one DataLoader iterator's index sampler; each epoch is `begin`-ed first.
+    """Stands in for one DataLoader iterator's index sampler; each epoch is `begin`-ed first,
+    and DataLoader makes (or resets) its iterator inside `building`.
 
     DataLoader calls ``iter()`` on its index sampler when it makes an iterator (twice with
-    workers) and at each reset of persistent workers; each call iterates the real sampler once,
-    when DataLoader asks, and the iterator it returns notes the epoch's `Position` at its
-    first draw.
+    workers: before and after it draws its base seed) and at each reset of persistent workers;
+    each call iterates the real sampler once, when DataLoader asks, and the iterator it returns
+    notes the epoch's `Position` at its first draw. ``replays`` is ``False`` over an
+    IterableDataset, whose placeholder sampler a resume does not need to draw again.
     """
 
-    def __init__(self, sampler: Any, generators: Sequence[torch.Generator], lead: int = 0) -> None:
+    def __init__(
+        self,
+        sampler: Any,
+        generators: Sequence[torch.Generator],
+        lead: int = 0,
+        replays: bool = True,
+    ) -> None:
         self.sampler = sampler
         self.generators = generators
         self.lead = lead
         """Draws DataLoader makes ahead of the loop: its workers' index queues, primed with
         ``prefetch_factor * num_workers`` draws; 0 without workers."""
+        self.replays = replays
+        self.turn = 0
+        """Workers on from the first that the epoch's round robin starts at (`WorkersIter`)."""
+        self.feed: DatasetSnapshots | None = None
+        """The iterator's notes of its datasets and workers, if it keeps any."""
+        self.seed_at: torch.Tensor | None = None
+        """The first generator's state DataLoader drew this iterator's base seed from."""
         self._global = generators[0] is torch.default_generator
         self._position = Position()
-        self._resume: Resume | None = None
+        self._resume: Saved | None = None
         self._passes = 0  # draws after a replay whose failures the saved run's loop received
         self._building = False
-        self._caller_global: torch.Tensor | None = None
+        self._iters = 0
+        self._caller: torch.Tensor | None = None  # the caller's global RNG, to put back
+        self._switch: States | None = None  # to set once DataLoader has drawn its base seed
         self._served: weakref.ref[Any] | None = None
 
     def serve(self, iterator: Any) -> None:
@@ -394,72 +186,65 @@ class IndexRecorder:
     def __len__(self) -> int:
         return len(self.sampler)
 
-    def begin(self, position: Position, resume: Resume | None, draws_base_seed: bool) -> None:
-        """The next epoch: note it in ``position``, and replay ``resume`` if there is one.
-
-        ``draws_base_seed`` says whether DataLoader draws its base seed for this epoch (a new
-        iterator) or not (persistent workers reset).
-        """
+    def begin(self, position: Position, resume: Saved | None) -> None:
+        """The next epoch: note it in ``position``, and replay ``resume`` if there is one."""
         self._position = position
         self._resume = resume
         self._passes = 0
-        if resume is None:
-            return
-        if resume.in_epoch:
+        self.turn = 0
+        if resume is not None and resume.in_epoch:
             position.skipped = resume.consumed
-        elif resume.base_seed_next and not draws_base_seed:
-            # The saved run's next epoch draws DataLoader's base seed before its sampler; a reset
-            # draws none here, so draw it, from the generator it would come from.
-            set_states(self.generators[1:], resume.at_draw[1:])
-            if resume.at_draw[0] is not None:
-                self.generators[0].set_state(resume.at_draw[0])
-            draw_base_seed(self.generators[0])
-            self._resume = None  # from here on, a fresh epoch
-        elif resume.base_seed_next:
-            # A new iterator draws the base seed first, as the saved run's next epoch would.
-            set_states(self.generators, resume.at_draw)
-            self._resume = None
+            position.at_iter, position.at_draw = resume.at_iter, resume.at_draw
+            position.seed_at, position.digest = resume.seed_at, resume.digest
+            if not self.replays and not resume.fast_forward:
+                self.turn = resume.next_worker
 
     @contextlib.contextmanager
     def building(self, draws_base_seed: bool) -> Iterator[None]:
-        """Around DataLoader making (or resetting) its iterator for the epoch `begin` set up.
+        """Around DataLoader making (``draws_base_seed``) or resetting its iterator for the epoch
+        `begin` set up: the generators start from the saved states, and the epoch's are noted.
 
-        A resumed epoch must leave the caller's global RNG as it found it, while DataLoader draws
-        its base seed from it here: that draw is undone, at the sampler's first draw if it comes
-        while the iterator is made (workers prime their index queue), else at the end.
+        A resumed epoch's workers must draw the saved run's base seed: from the epoch's own
+        starting states, or where persistent workers drew theirs epochs before, from the state
+        the state kept for it, and then the epoch's. A resumed epoch must leave the caller's
+        global RNG as it found it: what is set on it is put back at the sampler's first draw if
+        that comes while the iterator is made (workers prime their index queues), else at the end.
         """
-        resume = self._resume
-        undo = (
-            draws_base_seed
-            and self._global
-            and resume is not None
-            and (resume.in_epoch or not resume.base_seed_next)
-        )
-        self._caller_global = torch.default_generator.get_state() if undo else None
-        self._building = True
+        position, resume = self._position, self._resume
+        caller = torch.default_generator.get_state() if self._global else None
+        seed, start = _starts(resume, len(self.generators))
+        if seed is None:
+            set_states(self.generators, start)
+        else:
+            self.generators[0].set_state(seed)
+            self._switch = [caller if s is None and i == 0 else s for i, s in enumerate(start)]
+        if draws_base_seed:
+            self.seed_at = seed if seed is not None else self.generators[0].get_state()
+        if resume is None or not resume.in_epoch:
+            position.at_iter = self._switch if self._switch is not None else self._states()
+            position.seed_at = None if draws_base_seed and seed is None else self.seed_at
+        in_epoch = resume is not None and resume.in_epoch
+        self._caller = caller if in_epoch and self._global else None
+        self._building, self._iters = True, 0
         try:
             yield
         finally:
             self._building = False
-            caller, self._caller_global = self._caller_global, None
-            if caller is not None and not self._position.drawn:
-                torch.default_generator.set_state(caller)
+            self._apply_switch()
+            self._put_back_callers()  # after a first draw, already put back
+
+    def _apply_switch(self) -> None:
+        switch, self._switch = self._switch, None
+        if switch is not None:
+            set_states(self.generators, switch)
 
     def __iter__(self) -> Iterator[Any]:
-        resume = self._resume if self._resume is not None and self._resume.in_epoch else None
-        if resume is not None:
-            caller = self._caller_state() if resume.at_iter[0] is not None else None
-            set_states(self.generators, resume.at_iter)
-            source = iter(self.sampler)  # a sampler that shuffles in __iter__ draws here
-            self._restore(caller)
-            at_iter = resume.at_iter
-        else:
-            at_iter = self._states()
-            source = iter(self.sampler)
-            self._position.at_iter = at_iter  # a state taken before the first draw needs it
-        return self._draws(source, at_iter)
+        self._iters += 1
+        if self._iters > 1:  # workers make a second sampler iterator after the base seed
+            self._apply_switch()
+        return self._draws(iter(self.sampler))  # a sampler that shuffles in __iter__ draws here
 
-    def _draws(self, source: Iterator[Any], at_iter: States) -> Iterator[Any]:
+    def _draws(self, source: Iterator[Any]) -> Iterator[Any]:
         """The epoch's index batches: the first ``next()`` notes the position (or replays the
         consumed draws); each later one is the sampler's own ``next()``.
 
@@ -470,7 +255,7 @@ class IndexRecorder:
         itself and returns itself (Lightning's predict wrapper) would start over. From the
         third draw on, the DataLoader iterator draws from the sampler directly (`_hand_back`).
         """
-        first = _Once(lambda: self._first(source, at_iter))
+        first = _Once(lambda: self._first(source))
 
         def parts() -> Iterator[Iterator[Any]]:
             yield first
@@ -493,39 +278,35 @@ class IndexRecorder:
         if served is not None and getattr(served, "_index_sampler", None) is self:
             served._sampler_iter = source
 
-    def _first(self, source: Iterator[Any], at_iter: States) -> Any:
+    def _first(self, source: Iterator[Any]) -> Any:
         """The epoch's first index batch, its position noted, or a resumed epoch's first batch
         to load after replaying those consumed; `StopIteration` for an epoch with none."""
+        self._apply_switch()
         position, resume = self._position, self._resume
         if resume is not None and resume.in_epoch:
+            if not self.replays:
+                self._put_back_callers()
+                return next(source)
             first = self._replay(source, resume)
-            position.at_iter, position.at_draw = resume.at_iter, resume.at_draw
-            position.digest = resume.digest
             if first is None:
                 raise StopIteration
             return first
-        if resume is not None:  # between epochs, and this epoch draws no base seed
-            set_states(self.generators[1:], resume.at_draw[1:])
-            caller = self._caller_global if self._building else None
-            if caller is not None:  # undo the base seed DataLoader drew while building
-                torch.default_generator.set_state(caller)
-            elif resume.at_draw[0] is not None:
-                self.generators[0].set_state(resume.at_draw[0])
         at_draw = self._states()
         try:
             first = next(source)
         finally:  # drawn, or tried: an error here is an outcome, and the epoch goes on
-            position.at_iter, position.at_draw = at_iter, at_draw
+            position.at_draw = at_draw
         position.digest = digest(first)
         return first
 
-    def _replay(self, source: Iterator[Any], resume: Resume) -> Any:
+    def _replay(self, source: Iterator[Any], resume: Saved) -> Any:
         """Draw the consumed batches again and check them; the first batch to load, if any.
 
         A generator whose saved state is ``None`` (the caller's global RNG, in a state taken
-        before the epoch's first draw) is drawn from as it is, and keeps that draw.
+        before the epoch's first draw) is drawn from as it is, and keeps that draw. Sets
+        `turn` to the draws skipped: DataLoader gave each to the next worker in turn.
         """
-        caller = self._caller_state() if resume.at_draw[0] is not None else None
+        caller = self._callers() if resume.at_draw[0] is not None else None
         try:
             set_states(self.generators, resume.at_draw)
             skipped = resume.consumed
@@ -559,24 +340,245 @@ class IndexRecorder:
                     self._passes = max(0, received - drawn - 1)
                     return indices
                 slots += 1
+                self.turn += 1
             raise AssertionError("unreachable: the loop returns or raises")
         finally:
-            self._restore(caller)
+            if caller is not None:
+                torch.default_generator.set_state(caller)
+            self._caller = None
 
     def _states(self) -> States:
         return [g.get_state() for g in self.generators]
 
-    def _caller_state(self) -> torch.Tensor | None:
+    def _callers(self) -> torch.Tensor | None:
         """The caller's global RNG state to put back after a replay, if the sampler uses it."""
         if not self._global:
             return None
-        if self._building and self._caller_global is not None:
-            return self._caller_global  # as it was before DataLoader drew its base seed
+        if self._building and self._caller is not None:
+            return self._caller  # as it was before DataLoader drew its base seed
         return torch.default_generator.get_state()
 
-    def _restore(self, caller: torch.Tensor | None) -> None:
-        if caller is not None:
-            torch.default_generator.set_state(caller)
+    def _put_back_callers(self) -> None:
+        if self._caller is not None:
+            torch.default_generator.set_state(self._caller)
+            self._caller = None
+
+
+def _starts(resume: Saved | None, count: int) -> tuple[torch.Tensor | None, States]:
+    """For an epoch: the state of the first generator that DataLoader draws its base seed from
+    (``None``: the states the epoch starts from), and the states the epoch starts from
+    (``None`` entries: as they are)."""
+    if resume is None:
+        return None, [None] * count
+    start = resume.at_iter if resume.in_epoch else resume.at_draw
+    if resume.in_epoch or not resume.base_seed_next:
+        return resume.seed_at, start
+    return None, start
+
+
+def between_epochs(
+    loader: Any, recorder: IndexRecorder | None, kept: bool, iterated: bool
+) -> Saved:
+    """A state for the next epoch: it draws from the generators as they are now.
+
+    ``kept``: persistent workers go on into the next epoch (over ``recorder``), which then
+    draws no base seed; their states are saved. ``iterated``: the loader's dataset was
+    iterated in this process, so its own ``state_dict()`` must work. The global RNG is the
+    caller's to save and restore with the rest of training.
+    """
+    generators = random_generators(loader)
+    states: States = [None if g is torch.default_generator else g.get_state() for g in generators]
+    workers = None
+    if kept and recorder is not None and recorder.feed is not None:
+        notes = recorder.feed.as_of_made(recorder.feed.made) or {}
+        # Every worker's iteration ended with the epoch, after its last note.
+        workers = worker_states(notes, loader, recorder.feed, is_iterable(loader), between=True)
+    return Saved(
+        in_epoch=False,
+        consumed=0,
+        at_iter=states,
+        at_draw=list(states),
+        seed_at=recorder.seed_at if kept and recorder is not None else None,
+        base_seed_next=not kept,
+        dataset_state=dataset_state(loader.dataset, iterated),
+        num_workers=loader.num_workers,
+        workers=workers,
+    )
+
+
+def inside_epoch(loader: Any, position: Position, received: int, feed: Any) -> Saved:
+    """A state ``received`` outcomes into the epoch at ``position`` (those the loop received
+    before a resume included)."""
+    generators = random_generators(loader)
+    iterable = is_iterable(loader)
+    if position.drawn:
+        assert position.at_iter is not None
+        assert position.at_draw is not None
+        at_iter, at_draw, check = position.at_iter, position.at_draw, position.digest
+    else:  # the sampler has not drawn yet: its first draw comes from the generators as they are
+        at_draw = [None if g is torch.default_generator else g.get_state() for g in generators]
+        at_iter = position.at_iter if position.at_iter is not None else list(at_draw)
+        check = None
+    saved = Saved(
+        in_epoch=True,
+        consumed=received,
+        at_iter=at_iter,
+        at_draw=at_draw,
+        seed_at=position.seed_at,
+        digest=check,
+        base_seed_next=False,
+        num_workers=loader.num_workers,
+    )
+    if feed is None:  # no dataset or worker states to note: a map-style dataset without workers
+        return _fast_forward(saved) if iterable else saved
+    notes = feed.as_of(received)
+    if notes is None:
+        raise RuntimeError(
+            f"prefetchx: the state after batch {received} of this epoch is no longer known: the "
+            "stages ran further ahead of the loop than the notes kept."
+        )
+    if loader.num_workers == 0:
+        note = notes.get(None)
+        if note is None:
+            return _fast_forward(saved) if iterable else saved
+        _raise_failed(note, received)
+        if iterable and note.dataset_state is None and note.iterator_state is None:
+            return _fast_forward(saved)
+        return _replace(
+            saved,
+            dataset_state=note.dataset_state,
+            iterator_state=note.iterator_state,
+            ended=note.ended,
+        )
+    main = dataset_state(loader.dataset, iterated=False)
+    workers = worker_states(notes, loader, feed, iterable, received)
+    stateless = main is None and all(
+        w is None or (w.dataset_state is None and w.iterator_state is None) for w in workers
+    )
+    if iterable and stateless:  # from the epoch's start: the workers as they began it
+        start = worker_states(feed.at_start, loader, feed, iterable)
+        return _replace(_fast_forward(saved), workers=start)
+    if not iterable and getattr(loader, "in_order", True) is False:
+        # Resumed as the epoch again from its start (see load_state_dict): the workers as
+        # they began it.
+        workers = worker_states(feed.at_start, loader, feed, iterable)
+        return _replace(saved, dataset_state=main, workers=workers)
+    next_worker = feed.next_worker(received, loader.num_workers) if iterable else 0
+    return _replace(saved, dataset_state=main, workers=workers, next_worker=next_worker)
+
+
+def worker_states(
+    notes: dict[int | None, Note],
+    loader: Any,
+    feed: DatasetSnapshots,
+    iterable: bool,
+    received: int | None = None,
+    between: bool = False,
+) -> tuple[WorkerState | None, ...]:
+    """Each worker's state from its latest note, for a resumed epoch ``feed.epochs`` (the next
+    one, ``between`` epochs).
+
+    A note from an earlier epoch was taken before that epoch's iteration ended: the resumed
+    worker drains its restored iterator (an IterableDataset's own state, or its iterator's)
+    before it begins, or, without such a state, starts from the generator states it had when
+    that iteration ended. A worker with no note starts as DataLoader starts it.
+    """
+    out: list[WorkerState | None] = []
+    for worker in range(loader.num_workers):
+        note = notes.get(worker)
+        if note is None:
+            out.append(None)
+            continue
+        _raise_failed(note, received)
+        current = note.epoch == feed.epochs and not between
+        drain = (
+            iterable
+            and not current
+            and not note.ended
+            and (note.dataset_state is not None or note.iterator_state is not None)
+        )
+        rng = note.rng
+        if iterable and not current and not drain:
+            # The worker's states as its last epoch's iteration ended (after the items a
+            # drop_last batch dropped): as the resumed epoch begins.
+            ended = feed.end_rng(worker, feed.epochs if between else feed.epochs - 1)
+            rng = ended if ended is not None else rng
+        out.append(
+            WorkerState(
+                rng=plain_rng(rng),
+                dataset_state=note.dataset_state,
+                # An earlier epoch's iterator is done with: the resumed epoch makes a new one.
+                iterator_state=note.iterator_state if current or drain else None,
+                ended=current and note.ended,
+                drain=drain,
+            )
+        )
+    return tuple(out)
+
+
+def worker_plans(saved: Saved | None, num_workers: int) -> dict[int, WorkerPlan]:
+    """What each new worker loads when it starts, for the resumed epoch ``saved``."""
+    if saved is None or saved.workers is None or saved.num_workers != num_workers:
+        return {}
+    return {
+        i: WorkerPlan(w.rng, w.dataset_state, w.iterator_state, w.ended, w.drain)
+        for i, w in enumerate(saved.workers)
+        if w is not None
+    }
+
+
+def plain_rng(rng: RawRng | dict[str, Any] | None) -> dict[str, Any] | None:
+    """A worker's generator states, as a note holds them, as plain data (`prefetchx._state`);
+    a saved state's, plain already, as it is."""
+    from prefetchx._state import plain_numpy_state, plain_python_state
+
+    if rng is None or isinstance(rng, dict):
+        return rng
+    torch_state, python_state, numpy_state = rng
+    if torch_state is None or python_state is None:
+        return None  # not yet filled in from an earlier note: none reached this process
+    return {
+        "torch": list(torch_state),
+        "random": plain_python_state(python_state),
+        "numpy": None if numpy_state is None else plain_numpy_state(numpy_state),
+    }
+
+
+def dataset_state(dataset: Any, iterated: bool) -> Any:
+    """The dataset's own state now, ``None`` without one.
+
+    A copy that was never iterated here (its workers iterate theirs) may have no state yet (one
+    set up by its ``__iter__``): its ``state_dict()`` raising then means none.
+    """
+    if not has_own_state(dataset):
+        return None
+    try:
+        return dataset.state_dict()
+    except Exception:
+        if iterated:
+            raise
+        logger.debug("prefetchx: the dataset's state_dict() raised; saved as None", exc_info=True)
+        return None
+
+
+def _raise_failed(note: Note, received: int | None) -> None:
+    if note.error is not None:
+        where = "this process" if note.worker is None else f"worker {note.worker}"
+        after = f" after batch {received} of the epoch" if received is not None else ""
+        raise ValueError(
+            f"prefetchx: the dataset's (or its iterator's) state_dict() raised in {where}"
+            f"{after}, so the state there is not known: {note.error}"
+        )
+
+
+def _fast_forward(saved: Saved) -> Saved:
+    return _replace(saved, fast_forward=True)
+
+
+def _replace(saved: Saved, **changes: Any) -> Saved:
+    import dataclasses
+
+    return dataclasses.replace(saved, **changes)
 
 
 class NotReplayed(ValueError):
@@ -630,23 +632,3 @@ class _Once:
         except (StopIteration, NotReplayed):
             self.ended = True
             raise
-
-
-def between_epochs(generators: Sequence[torch.Generator], base_seed_next: bool) -> Resume:
-    """A state for the next epoch: it draws from the generators as they are now.
-
-    The global RNG is the caller's to save and restore with the rest of training.
-    """
-    states: States = [None if g is torch.default_generator else g.get_state() for g in generators]
-    return Resume(False, 0, None, states, list(states), base_seed_next)
-
-
-def before_first_draw(position: Position, generators: Sequence[torch.Generator]) -> Resume:
-    """A state for an epoch whose iterator is made but whose sampler has not drawn yet.
-
-    Its first draw will come from the generators as they are now (the global RNG: as the caller
-    restores it).
-    """
-    now = between_epochs(generators, False).at_draw
-    at_iter = position.at_iter if position.at_iter is not None else list(now)
-    return Resume(True, 0, None, at_iter, now, False)

@@ -288,6 +288,13 @@ class ThreadStage(Iterator[T], Generic[T]):
         if self._producer is not None:
             self._producer.reapable = True
 
+    def drop(self) -> None:
+        """What collecting the stage does, now: its thread is asked to stop, never waited for,
+        and reaped if it stays stuck in the source, which nothing else uses."""
+        self.abandon()
+        if self._finalizer is not None:
+            self._finalizer()
+
     @property
     def thread(self) -> threading.Thread | None:
         """The background thread, or ``None`` before the first item and with ``max_prefetch=0``."""

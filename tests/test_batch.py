@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections import OrderedDict
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
+from torch.utils.data._utils.pin_memory import pin_memory
 
+from prefetchx import DataLoaderX
 from prefetchx._batch import iter_tensors, map_input, map_tensors
 
 
@@ -113,3 +117,56 @@ def test_map_input_errors_name_the_key(
 ) -> None:
     with pytest.raises(exc, match=pattern):
         map_input(batch, key, _double)
+
+
+class _Tagged(dict):  # type: ignore[type-arg]
+    """A mapping whose constructor takes something other than a dict, as a defaultdict's does."""
+
+    def __init__(self, tag: str, *args: object) -> None:
+        super().__init__(*args)
+        self.tag = tag
+
+
+def _mappings() -> list[dict[str, torch.Tensor]]:
+    plain = collections.defaultdict(list, x=torch.ones(2), y=torch.ones(2))
+    tagged = _Tagged("kept", {"x": torch.ones(2), "y": torch.ones(2)})
+    return [plain, tagged]
+
+
+def _untensored(index: int) -> Any:
+    batch = _mappings()[index]
+    batch.update({key: "leaf" for key in batch})
+    return batch
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["defaultdict", "own-constructor"])
+def test_mutable_mappings_are_copied_and_updated_as_dataloaders_pinning_does(index: int) -> None:
+    # DataLoader's pin_memory copies a mutable mapping and updates the copy; type(batch)(dict)
+    # raised "first argument must be callable or None" for a defaultdict (#63 item 8). The
+    # reference is DataLoader's own rebuild, over leaves it passes through (pinning a tensor
+    # needs an accelerator).
+    pinned = pin_memory(_untensored(index))
+    for out in (
+        map_tensors(_mappings()[index], _double),
+        map_input(_mappings()[index], "x", _double),
+    ):
+        assert type(out) is type(pinned)
+        assert getattr(out, "tag", None) == getattr(pinned, "tag", None)
+        assert getattr(out, "default_factory", None) is getattr(pinned, "default_factory", None)
+        assert out["x"].tolist() == [2.0, 2.0]
+    assert map_input(_mappings()[index], "x", _double)["y"].tolist() == [1.0, 1.0]
+
+
+def test_a_defaultdict_batch_comes_through_the_loader_as_from_dataloader() -> None:
+    def collate(items: list[int]) -> collections.defaultdict[str, Any]:
+        return collections.defaultdict(list, x=torch.tensor(items, dtype=torch.float32)[:, None])
+
+    expected = list(DataLoader(range(6), batch_size=2, collate_fn=collate))
+    got = list(
+        DataLoaderX(
+            range(6), batch_size=2, collate_fn=collate, mean=[1.0], std=[2.0], input_key="x"
+        )
+    )
+    assert [type(b) for b in got] == [type(b) for b in expected]
+    assert [b.default_factory for b in got] == [list] * 3
+    assert [((b["x"] - 1) / 2).tolist() for b in expected] == [b["x"].tolist() for b in got]

@@ -1,6 +1,6 @@
-"""The benchmark programs (``benchmarks/grid.py``, ``jpeg_pipeline.py`` and ``new_loader.py``):
-their quick runs write a table and a JSON record of the expected shape; the full grid's cells;
-the verdicts, read from hand-made numbers."""
+"""The benchmark programs (``benchmarks/grid.py``, ``jpeg_pipeline.py``, ``new_loader.py`` and
+``resume_fuzz.py``): their quick runs write a table and a JSON record of the expected shape; the
+full grid's cells; the verdicts, read from hand-made numbers."""
 
 from __future__ import annotations
 
@@ -684,3 +684,29 @@ def test_the_new_loader_conclusion_counts_the_verdicts_and_names_the_ones_not_me
         "their first batch, met 1 of 1 targets."
     )
     assert program.conclude([], quick=False) == "Nothing was measured."
+
+
+def test_the_quick_resume_fuzz_compares_every_trial_and_records_it(tmp_path: Path) -> None:
+    # benchmarks/resume_fuzz.py (#63): random resume trials, each against DataLoader's
+    # uninterrupted run: none differs.
+    out = tmp_path / "fuzz.json"
+    done = _run("resume_fuzz", "--quick", "--trials", "6", "--seed", "3", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    record = json.loads(out.read_text())
+    assert record["meta"]["quick"] is True
+    assert record["meta"]["commit"]
+    summary = record["summary"]
+    assert summary["trials"] == len(record["trials"]) == 6
+    assert summary["errors"] == 0
+    differing = [t for t in record["trials"] if t["differs"]]
+    assert summary["differing"] == len(differing) == 0, differing
+    for name, counts in summary["by_category"].items():
+        assert sum(n for n, _ in counts.values()) == 6, name
+    assert done.stdout.startswith("6 trials in ")
+    assert "category      value" in done.stdout
+
+
+def test_the_resume_fuzz_refuses_no_trials() -> None:
+    done = _run("resume_fuzz", "--trials", "0")
+    assert done.returncode == 2
+    assert "--trials must be >= 1, got 0" in done.stderr

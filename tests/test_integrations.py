@@ -6,8 +6,11 @@ the Hugging Face Trainer are tests/test_accelerate.py's.
 
 from __future__ import annotations
 
+import copy
+import functools
 import gc
 import json
+import pickle
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -460,3 +463,91 @@ def test_lightning_resumes_a_cycled_combined_loader_exactly(tmp_path: Path) -> N
     uninterrupted, resumed = _resume_fit(make, tmp_path, stop_at=17)  # the short loader cycled
     assert resumed == uninterrupted
     assert len(uninterrupted) == 10
+
+
+# --- #63 item 7: checkpoints written with DataLoaderX, as with DataLoader ------------------------
+
+
+def _checkpointed_fit(cls: Any, tmp_path: Path, stop_at: int) -> Path:
+    """A fit stopped at ``stop_at`` with a checkpoint there; the checkpoint's path."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    torch.manual_seed(0)
+    module = _Recorder({"fit": lambda: cls(_numbers(20), batch_size=2, shuffle=True)})
+    every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=stop_at, save_top_k=-1)
+    _trainer(callbacks=[every, _StopAt(stop_at)], enable_checkpointing=True).fit(module)
+    (path,) = tmp_path.glob("*.ckpt")
+    return path
+
+
+@needs_lightning
+def test_lightning_loop_states_compare_with_equality(tmp_path: Path) -> None:
+    # #63 item 7: the loop state held the loader's generator states as tensors, so == on two
+    # loop states raised "Boolean value of Tensor with more than one value is ambiguous".
+    for cls in (DataLoader, DataLoaderX):
+        path = _checkpointed_fit(cls, tmp_path / cls.__name__, stop_at=13)
+        first, again = (torch.load(path, weights_only=True)["loops"] for _ in range(2))
+        assert first == again
+        assert json.loads(json.dumps(first["fit_loop"]["state_dict"])) is not None
+
+
+class _BackToDataLoader(_Recorder):
+    """Resumes a checkpoint written with DataLoaderX on a plain DataLoader: the documented line."""
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["loops"]["fit_loop"]["state_dict"].pop("combined_loader", None)
+
+
+@needs_lightning
+def test_lightning_resumes_a_dataloaderx_checkpoint_with_a_plain_dataloader(
+    tmp_path: Path,
+) -> None:
+    # #63 item 7: a user who tries prefetchx and goes back could not resume their runs: "The
+    # CombinedLoader has 0 stateful loaders, but found 1 states". With the one line the docs
+    # give, the plain DataLoader resumes as from a checkpoint a plain DataLoader wrote.
+    def resume(path: Path, module_class: type[_Recorder]) -> list[Any]:
+        torch.manual_seed(123)
+        module = module_class({"fit": lambda: DataLoader(_numbers(20), batch_size=2, shuffle=True)})
+        _trainer().fit(module, ckpt_path=path)
+        return module.seen
+
+    plain = _checkpointed_fit(DataLoader, tmp_path / "plain", stop_at=13)
+    ours = _checkpointed_fit(DataLoaderX, tmp_path / "ours", stop_at=13)
+    with pytest.raises(RuntimeError, match="0 stateful loaders, but found 1 states"):
+        resume(ours, _Recorder)
+    assert resume(ours, _BackToDataLoader) == resume(plain, _Recorder)
+
+
+class _Copies(_Recorder):
+    """Copies and pickles its trainer in the middle of fit, as some callbacks and tools do."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if batch_idx == 2:
+            self.copied = [
+                _outcome(lambda: copy.deepcopy(self.trainer)),
+                _outcome(lambda: pickle.dumps(self.trainer)),
+            ]
+        return super().training_step(batch, batch_idx)
+
+
+def _outcome(action: Any) -> str:
+    try:
+        action()
+    except Exception as exc:
+        return type(exc).__name__
+    return "ok"
+
+
+@needs_lightning
+def test_lightning_trainer_copies_and_pickles_during_fit_as_with_dataloader() -> None:
+    # #63 item 7: copy.deepcopy or pickling a trainer during fit raised NotImplementedError
+    # ('{} cannot be pickled', '_Chained'), where it works with DataLoader.
+    def run(cls: Any) -> list[str]:
+        # A partial, not a lambda: the module keeps its loader's maker, which must pickle too.
+        module = _Copies({"fit": functools.partial(cls, _numbers(12), batch_size=2, shuffle=True)})
+        _trainer(max_epochs=1).fit(module)
+        return module.copied
+
+    expected, got = _both(run)
+    assert expected == ["ok", "ok"]
+    assert got == expected

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import inspect
 import io
+import json
 import time
 import traceback
 import warnings
@@ -410,18 +412,46 @@ def test_state_before_the_first_epoch_changes_nothing() -> None:
     assert as_lists(resumed) == _uninterrupted(make, epochs=1)[0]
 
 
-def test_state_is_plain_data_that_survives_a_weights_only_load() -> None:
-    loader = _maker(seeded=True)()
+def _leaves(value: Any) -> Iterator[Any]:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield key
+            yield from _leaves(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _leaves(item)
+    else:
+        yield value
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "persistent"), [(0, False), (2, False), (2, True)], ids=["0", "2", "2p"]
+)
+@pytest.mark.parametrize("when", ["inside", "between"])
+def test_state_is_plain_data_that_survives_json_a_weights_only_load_and_equality(
+    num_workers: int, persistent: bool, when: str
+) -> None:
+    # #63: the state held tensors (generator states), so two loop states compared with ==
+    # raised, and JSON could not hold it. The resumed run still matches DataLoader's.
+    make = _maker(seeded=True, num_workers=num_workers, persistent_workers=persistent)
+    expected = _uninterrupted(make, epochs=2)
+    loader = make()
     it = iter(loader)
-    next(it)
+    got = [next(it).tolist() for _ in range(2)]
+    if when == "between":
+        got += as_lists(it)
     state = loader.state_dict()
     it.close()
-    loaded = _through_disk(state)
-    assert loaded.keys() == state.keys()
-    assert loaded["loader"] == state["loader"]
-    (saved,) = state["rng_states"]
-    (restored,) = loaded["rng_states"]
-    assert torch.equal(restored, saved)
+    loader.close()
+    plain = (int, float, str, bool, type(None))
+    assert all(isinstance(leaf, plain) for leaf in _leaves(state))
+    assert json.loads(json.dumps(state)) == state == _through_disk(state)
+    assert state == copy.deepcopy(state)
+    resumed = make()
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    rest = as_lists(resumed) if when == "inside" else []
+    assert got + rest == expected[0]
+    resumed.close()
 
 
 def test_a_saved_state_does_not_change_as_the_loop_goes_on() -> None:
@@ -429,11 +459,11 @@ def test_a_saved_state_does_not_change_as_the_loop_goes_on() -> None:
     it = iter(loader)
     next(it)
     state = loader.state_dict()
-    rng = state["rng_states"][0].clone()
+    kept = copy.deepcopy(state)
     as_lists(it)
     as_lists(loader)
     assert state["consumed"] == 1
-    assert torch.equal(state["rng_states"][0], rng)
+    assert state == kept
 
 
 def test_resume_with_a_samplers_own_generator_and_replacement() -> None:
@@ -520,11 +550,13 @@ def test_state_whose_replay_draws_other_indices_is_refused(num_workers: int) -> 
         ({"epoch": 3}, TypeError, "must be a dict from DataLoaderX.state_dict"),
         ([1, 2], TypeError, "got 'list'"),
         ({"format": "prefetchx.DataLoaderX", "version": 99}, ValueError, "version 99"),
+        ({"format": "prefetchx.DataLoaderX", "version": 2}, ValueError, "version 2; this"),
         (
-            {"format": "prefetchx.DataLoaderX", "version": 2, "consumed": 2},
+            {"format": "prefetchx.DataLoaderX", "version": 3, "consumed": 2},
             ValueError,
-            "lacks loader, epoch_in_progress, digest, rng_states, rng_states_at_iter, "
-            "base_seed_next",
+            "lacks loader, epoch_in_progress, rng_states_at_iter, rng_states, rng_seed, digest, "
+            "base_seed_next, dataset_state, iterator_state, ended, num_workers, workers, "
+            "next_worker, fast_forward",
         ),
     ],
 )
@@ -553,16 +585,24 @@ def _good_state() -> dict[str, Any]:
         ("rng_states", [None, None], r"holds 2 random generator states; this loader's sampler"),
         (
             "rng_states",
-            [torch.zeros(3)],
-            r"`state\['rng_states'\]\[0\]` must be a uint8 generator state from get_state\(\), "
-            r"got a torch.float32 tensor of shape \(3,\)",
+            [[0.5, 1.0]],
+            r"`state\['rng_states'\]\[0\]` must be a generator state as a list of ints from 0 "
+            r"to 255 \(torch.Generator.get_state\(\).tolist\(\)\), got \[0.5, 1.0\]",
         ),
         (
             "rng_states_at_iter",
-            [torch.zeros(7, dtype=torch.uint8)],
+            [[0] * 7],
             r"`state\['rng_states_at_iter'\]\[0\]` is not a state of a cpu random generator",
         ),
-        ("rng_states", ["abc"], r"`state\['rng_states'\]\[0\]` must be a uint8 .* got 'abc'"),
+        ("rng_states", ["abc"], r"`state\['rng_states'\]\[0\]` must be a generator .* got 'abc'"),
+        ("rng_states", [[256]], r"`state\['rng_states'\]\[0\]` must be a generator .* got \[256\]"),
+        ("rng_seed", "x", r"`state\['rng_seed'\]` must be a generator state as a list .* got 'x'"),
+        ("num_workers", -2, r"num_workers=-2; it must be an int >= 0"),
+        ("workers", [None], r"`state\['workers'\]` must be None or a list of 0 worker states"),
+        ("ended", 0, r"`state\['ended'\]` must be a bool, got 0"),
+        ("next_worker", None, r"next_worker=None; it must be an int >= 0"),
+        ("fast_forward", "no", r"`state\['fast_forward'\]` must be a bool, got 'no'"),
+        ("shuffle", True, r"`state` has fields no DataLoaderX state has: shuffle"),
     ],
 )
 def test_every_malformed_field_is_refused_at_load_naming_it(
@@ -591,11 +631,11 @@ def test_an_iterable_dataset_checkpoints_and_restores_between_epochs() -> None:
     next(it)
     inside = _through_disk(loader.state_dict())
     assert (inside["epoch_in_progress"], inside["consumed"]) == (True, 2)
+    assert inside["fast_forward"]  # it has no state of its own
     it.close()
     restarted = make()
-    with pytest.warns(UserWarning, match="2 batches into an epoch of an IterableDataset"):
-        restarted.load_state_dict(inside)
-    assert as_lists(restarted) == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    restarted.load_state_dict(inside)
+    assert as_lists(restarted) == [[4, 5], [6, 7], [8, 9]]
     with pytest.raises(ValueError, match="`state` lacks epoch_in_progress"):
         make().load_state_dict({k: v for k, v in inside.items() if k != "epoch_in_progress"})
     with pytest.raises(ValueError, match="comes from a different loader: batch_size 2 there"):
@@ -850,15 +890,19 @@ def test_an_iterable_datasets_own_state_is_restored_between_epochs(num_workers: 
     it.close()
 
 
-def test_with_workers_an_iterable_datasets_state_inside_an_epoch_cannot_resume() -> None:
+def test_with_workers_an_iterable_datasets_state_inside_an_epoch_is_each_workers() -> None:
     loader = DataLoaderX(Resumable(10), batch_size=2, num_workers=2)
     it = iter(loader)
     next(it)
     state = loader.state_dict()
     it.close()
-    assert state["dataset_state"] is None  # the workers iterate their own copies
-    with pytest.warns(UserWarning, match="the next epoch starts from the beginning"):
-        DataLoaderX(Resumable(10), batch_size=2, num_workers=2).load_state_dict(state)
+    # Each worker iterates its own copy: the main process's is as it was, the first worker's
+    # is one batch in, the second's has made none the loop received.
+    assert state["dataset_state"] == {"position": 0, "epochs": 0}
+    first, second = state["workers"]
+    assert first["dataset_state"] == {"position": 2, "epochs": 0}
+    assert second is None
+    assert state["next_worker"] == 1
 
 
 def test_a_dataset_state_for_a_dataset_without_one_is_refused() -> None:
@@ -906,3 +950,135 @@ def test_the_dataloader_iterator_draws_from_the_samplers_own_iterator_as_dataloa
             assert drawing.gi_code is BatchSampler.__iter__.__code__, loader_class
         epochs.append(first + [torch.as_tensor(b).tolist() for b in it])
     assert epochs[0] == epochs[1]
+
+
+# --- #63 item 3: a state no real run can have is refused ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tamper", "message"),
+    [
+        (
+            {"epoch_in_progress": False},
+            r"epoch_in_progress=False \(between epochs\) with consumed=3",
+        ),
+        ({"base_seed_next": True}, r"epoch_in_progress=True with base_seed_next=True"),
+        ({"iterator_state": {"position": 1}}, r"iterator_state=\{'position': 1\} for a map-style"),
+        ({"fast_forward": True}, r"fast_forward=True for a map-style dataset"),
+        ({"next_worker": 1}, r"next_worker=1 with num_workers=0"),
+        ({"rng_seed": "seed"}, r"rng_seed \(the state persistent workers drew their seed from\)"),
+    ],
+)
+def test_a_state_whose_fields_contradict_each_other_is_refused(
+    tamper: dict[str, Any], message: str
+) -> None:
+    # #63 item 3: a mid-epoch state with epoch_in_progress flipped to False was accepted and
+    # replayed the batches the loop had received. The real state resumes as DataLoader goes on.
+    make = _maker(seeded=True)
+    expected = _uninterrupted(make)
+    got, state, _ = _interrupted(make, 3)
+    loader = make()
+    loader.load_state_dict(state)
+    assert got + as_lists(loader) == expected[1]
+    if tamper.get("rng_seed") == "seed":
+        tamper = {"rng_seed": state["rng_states"][0]}
+    with pytest.raises(ValueError, match=f"cannot come from a real loader: {message}"):
+        make().load_state_dict({**state, **tamper})
+
+
+def test_a_between_epochs_state_with_a_count_is_refused() -> None:
+    make = _maker(seeded=True)
+    expected = _uninterrupted(make, epochs=2)
+    loader = make()
+    assert as_lists(loader) == expected[0]
+    state = _through_disk(loader.state_dict())
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert as_lists(resumed) == expected[1]
+    for tamper in ({"consumed": 2}, {"digest": 7}, {"ended": True}):
+        with pytest.raises(ValueError, match="epoch_in_progress=False"):
+            make().load_state_dict({**state, **tamper})
+
+
+# --- #63 item 4: iteration never depends on a dataset's state protocol -------------------------
+
+
+class _StateAfterIter(torch.utils.data.IterableDataset[int]):
+    """Its state lives in what ``__iter__`` sets up: ``state_dict()`` raises before (a common
+    shape); ``broken`` makes it raise always, and ``load_state_dict`` raise too."""
+
+    def __init__(self, n: int, broken: bool = False) -> None:
+        self.n = n
+        self.broken = broken
+
+    def __iter__(self) -> Iterator[int]:
+        info = torch.utils.data.get_worker_info()
+        first, step = (0, 1) if info is None else (info.id, info.num_workers)
+        self.items = list(range(first, self.n, step))
+        self.position = getattr(self, "start", 0)
+        self.start = 0
+        while self.position < len(self.items):
+            self.position += 1
+            yield self.items[self.position - 1]
+        self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        if self.broken:
+            raise RuntimeError("no state here")
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if self.broken:
+            raise RuntimeError("no state here")
+        self.start = state["position"]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("broken", [False, True], ids=["after-iter", "always-raises"])
+def test_iteration_never_depends_on_the_datasets_state_protocol(
+    num_workers: int, broken: bool, both_modes: str
+) -> None:
+    # #63 item 4: iter(loader) raised AttributeError from dataset.state_dict(), called as the
+    # epoch began, for a dataset whose state exists only once __iter__ ran; DataLoader iterates
+    # it, and nobody asked for a state.
+    def make(cls: type[DataLoader[Any]]) -> DataLoader[Any]:
+        return cls(_StateAfterIter(14, broken), batch_size=2, num_workers=num_workers)
+
+    expected = [as_lists(make(DataLoader)) for _ in range(2)]
+    loader = make(DataLoaderX)
+    assert [as_lists(loader) for _ in range(2)] == expected
+    it = iter(loader)
+    got = [next(it).tolist() for _ in range(3)]
+    if broken:  # asked for, a state that cannot be known is an error that says why
+        with pytest.raises(ValueError, match=r"state_dict\(\) raised in .*: RuntimeError: no st"):
+            loader.state_dict()
+        it.close()
+        return
+    state = _through_disk(loader.state_dict())
+    it.close()
+    resumed = make(DataLoaderX)
+    resumed.load_state_dict(state)
+    assert got + as_lists(resumed) == expected[0]
+
+
+@pytest.mark.parametrize("max_prefetch", [0, 2])
+def test_a_state_after_break_in_a_fast_loop_counts_every_batch_received(max_prefetch: int) -> None:
+    # #63 item 1: with num_workers=0 and a loop faster than about 1 ms a batch, a state taken
+    # after `break` (the loop's iterator dropped) counted the batches of the stage's last
+    # window only: the resumed epoch trained on most of them again.
+    def make(cls: type[DataLoader[Any]]) -> DataLoader[Any]:
+        kwargs = {"max_prefetch": max_prefetch} if cls is DataLoaderX else {}
+        generator = torch.Generator().manual_seed(4)
+        return cls(range(2000), batch_size=2, shuffle=True, generator=generator, **kwargs)
+
+    expected = as_lists(make(DataLoader))
+    loader = make(DataLoaderX)
+    got = []
+    for batch in loader:
+        got.append(batch.tolist())
+        if len(got) == 700:
+            break
+    state = loader.state_dict()
+    resumed = make(DataLoaderX)
+    resumed.load_state_dict(state)
+    assert got + as_lists(resumed) == expected
