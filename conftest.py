@@ -116,7 +116,6 @@ def both_modes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
         from tests.helpers import Switching
 
         monkeypatch.setattr("prefetchx._pipeline.Decision", Switching)
-        monkeypatch.setattr("prefetchx._iterator.WINDOW", 1)
     return str(request.param)
 
 

@@ -48,11 +48,13 @@ import statistics
 from collections import deque
 from typing import NamedTuple
 
-WINDOW = 8
-"""Batches in a measured window. A losing probe usually costs one window, and a loader's first
-probe waits for `HISTORY` windows: short windows make both cheap. The test (see the module)
-weighs the windows' own spread, so a longer window would only decide a smaller difference in
-fewer windows."""
+WINDOW = 4
+"""Batches in a measured window, at first. A losing probe usually costs one window, and a
+loader's first probe waits for `HISTORY` windows: short windows make both cheap. The test (see
+the module) weighs the windows' own spread, so a longer window only decides a smaller difference
+in fewer windows. Each probe lost in a row doubles the windows (`Decision.window_batches`), as it
+halves the probes' share: where the answer holds, the loop is measured ever less often, which
+costs it less (a window's end runs the decision's Python)."""
 
 HISTORY = 6
 """The current mode's last windows a probe is held against."""
@@ -62,6 +64,12 @@ PROBE = 4
 
 Z = 2.0
 """Standard errors of the difference by which a probe's mean must beat the current mode's."""
+
+QUIET_WINDOW = 256
+"""Batches in a window while no probe can come, even after `HISTORY` more windows (the ledger
+would not pay for it): the loop's time is only counted then, and a window's end, which runs the
+decision's Python (about 15 us where the loop leaves the caches cold, measured on the 2-core VM),
+comes rarely: 0.06 us a batch. The windows a probe is held against are measured anew after."""
 
 MAX_BACKOFF = 4
 """Halvings of `BUDGET` at most while probes keep losing: the tax of looking again falls to
@@ -78,6 +86,8 @@ class Window(NamedTuple):
 
     threaded: bool
     """Whether the thread made the window's batches."""
+    batches: int
+    """How many batches it had."""
     period: float
     """The loop's wall time per batch, seconds: ``next()`` and the step together."""
     step: float
@@ -102,6 +112,17 @@ class Decision:
         self._elapsed = 0.0  # loop seconds measured
         self._spent = 0.0  # what the probes cost: their windows' time beyond the current mode
         self._backoff = 0  # probes lost in a row since the last switch, up to MAX_BACKOFF
+        self._quiet = False  # no probe can come soon: long windows, counted only
+
+    @property
+    def window_batches(self) -> int:
+        """Batches in the next window: `WINDOW`, doubled by each probe lost in a row, or
+        `QUIET_WINDOW` while no probe can come soon."""
+        return QUIET_WINDOW if self._quiet else self._measured_batches
+
+    @property
+    def _measured_batches(self) -> int:
+        return WINDOW << self._backoff
 
     @property
     def wanted(self) -> bool:
@@ -121,21 +142,26 @@ class Decision:
         """
         if window.threaded != self.wanted:
             return self.wanted
-        self._elapsed += window.period * WINDOW
+        self._elapsed += window.period * window.batches
         if self._probe is not None:
             self._probed(window.period)
-        else:
+        elif window.batches == self._measured_batches:
             self._history.append(window.period)
-            if len(self._history) == HISTORY and self._due(window):
+            if len(self._history) == HISTORY and self._affordable(window, 0):
                 self._probe = []
+        quiet = self._probe is None and not self._affordable(window, HISTORY)
+        if self._quiet and not quiet:
+            self._history.clear()  # held against windows of its own length, just before it
+        self._quiet = quiet
         return self.wanted
 
     def epoch_ended(self) -> None:
         """An epoch ended: a probe under way is dropped (its windows would span two epochs)."""
         self._probe = None
 
-    def _due(self, window: Window) -> bool:
-        """Whether a probe now keeps every probe's cost within `BUDGET` of the loop's time."""
+    def _affordable(self, window: Window, windows_ahead: int) -> bool:
+        """Whether a probe after ``windows_ahead`` more windows keeps every probe's cost within
+        `BUDGET` of the loop's time (at the current pace)."""
         if window.threaded:
             known = [v for v in (window.step, window.produce) if not math.isnan(v)]
             if not known:
@@ -143,11 +169,12 @@ class Decision:
             per_batch = min(known)
         else:
             per_batch = window.period
-        horizon = self._elapsed
+        batches = self._measured_batches
+        horizon = self._elapsed + windows_ahead * batches * window.period
         if window.remaining is not None:
             horizon += window.remaining * window.period
         share = BUDGET / (1 << self._backoff)
-        return self._spent + WINDOW * per_batch <= share * horizon
+        return self._spent + batches * per_batch <= share * horizon
 
     def _probed(self, period: float) -> None:
         probe = self._probe
@@ -155,7 +182,7 @@ class Decision:
         probe.append(period)
         history = self._history
         before, after = statistics.fmean(history), statistics.fmean(probe)
-        self._spent += WINDOW * max(0.0, period - before)
+        self._spent += self._measured_batches * max(0.0, period - before)
         error = statistics.stdev(history) * math.sqrt(1 / len(probe) + 1 / len(history))
         if after >= before or (after >= before - Z * error and len(probe) == PROBE):
             # Lost: no faster, or not faster beyond doubt. The current mode stays.

@@ -39,25 +39,22 @@ Lifecycle of one iterator:
 from __future__ import annotations
 
 import contextlib
-import math
 import queue
 import sys
 import time
 from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
-from time import perf_counter
 from typing import Any, Generic, TypeVar
 
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
 
 from prefetchx import _engine
-from prefetchx._choose import WINDOW, Window
-from prefetchx._engine import Failure
+from prefetchx._meter import Meter
 from prefetchx._pipeline import Pipeline
 from prefetchx._producer import describe
 from prefetchx._resume import DatasetSnapshots, Position
-from prefetchx._stats import FOLD_EVERY, EpochStats, Tally
+from prefetchx._stats import EpochStats, Tally
 
 T = TypeVar("T")
 
@@ -69,7 +66,7 @@ class Epoch:
 
     def __init__(self, position: Position | None = None) -> None:
         self.stats = EpochStats()
-        self.tally = Tally(self.stats.wait)
+        self.tally = Tally(self.stats)
         """The outcomes the loop received (one wait sample each), and whether the epoch ended."""
         self.position = position
         """Where the sampler is, for `DataLoaderX.state_dict`; ``None`` without a sampler."""
@@ -113,14 +110,13 @@ class PrefetchIterator(_BaseDataLoaderIter, Iterator[T], Generic[T]):
         source = self._source
         assert source is not None  # started only with a source
         self.epoch = epoch
-        stats = self._stats = epoch.stats
+        stats = epoch.stats
         # DataLoader's multiprocessing iterator, used by nobody else, may be abandoned by a
         # thread stuck in it once the stage is left (see prefetchx._engine.Reaper).
         reapable = not self._keep_source and isinstance(source, _MultiProcessingDataLoaderIter)
         length = self._batches if self._batches is not None else length_of(source)
         if length is not None and epoch.position is not None:
             length = max(0, length - epoch.position.skipped)  # a resumed sampler skips these
-        self._epoch_length = length
         # The thread asks for at most this many batches: the calls that end the epoch, and what
         # the source does then (a sampler's last draw from the loader's generator, a loader that
         # advances its own epoch), are the loop's own, made only if the loop makes them.
@@ -131,117 +127,22 @@ class PrefetchIterator(_BaseDataLoaderIter, Iterator[T], Generic[T]):
         )
         self._thread = thread
         self._stage = stage
-        decision = self._decision = self._pipeline.decision if thread.max_prefetch else None
+        decision = self._pipeline.decision if thread.max_prefetch else None
         if decision is not None:
             thread.switch(decision.wanted)
             stats.parked_because = "" if decision.threaded else decision.note
-        # The meter: each outcome's wait and the step before it; a window of the loop's pace
-        # every WINDOW outcomes, the first starting after the first outcome (its wait holds the
-        # epoch's start). `_beside` says whether the thread ran during the step now running.
-        self._add_wait = stats.wait.add
-        self._add_step = stats.step.add
-        self._add_threaded_step = stats.step_threaded.add
-        self._returned: float | None = None
-        self._beside = False
-        self._countdown = 1
-        self._window_start: float | None = None
-        self._generation = -1
-        self._produced = 0
-        self._held: tuple[Any] | None = None
+        self._meter = Meter(stats, thread, stage, decision, epoch.tally, length)
 
     def __iter__(self) -> PrefetchIterator[T]:
         return self
 
     def __next__(self) -> T:
-        asked = perf_counter()
-        returned = self._returned
-        if returned is not None:
-            self._add_step(asked - returned)
-            if self._beside:
-                self._add_threaded_step(asked - returned)
-        if self._held is not None:  # taken before an interrupt (see below): hand it over now
-            value, self._held = self._held[0], None
-        else:
-            thread = self._thread
-            generation = thread.generation
-            try:
-                value = self._stage.take()
-            except StopIteration:
-                self._finish()
-                raise
-            # Taken from the thread's queue where it ran before and after, with no switch
-            # between; then it also runs beside the step that follows.
-            self._beside = thread.threaded
-            if self._beside and thread.generation == generation:
-                self._stats.from_thread += 1
-            self._countdown -= 1
-            if not self._countdown:
-                try:
-                    self._mark(perf_counter(), asked)
-                except BaseException:
-                    # An interrupt (Ctrl-C) while the meter decides: raised now, as any, and
-                    # the outcome already taken comes with the next next(), as after an
-                    # interrupted wait.
-                    self._held = (value,)
-                    raise
-        now = self._returned = perf_counter()
-        self._add_wait(now - asked)  # counts the outcome: last, right before it is handed over
-        if value.__class__ is Failure:
-            self._stats.add_errors(1)
-            del self  # the traceback keeps this frame: it must not keep the iterator alive
-            value.reraise()
-        return value  # type: ignore[no-any-return]  # an item of the source
-
-    def _mark(self, now: float, asked: float) -> None:
-        """The end of a stretch of the meter: hand a measured window to the decision, switch
-        the thread stage to what it wants, and begin the next stretch."""
-        stats, thread, decision = self._stats, self._thread, self._decision
-        start, self._window_start = self._window_start, now
-        if start is None and self._generation < 0:
-            stats.warmup_s = now - asked
-        elif (
-            start is not None
-            and decision is not None
-            and thread.generation == self._generation
-            and not thread.switching
-        ):
-            produced = stats.produce.recorded - self._produced
-            made = stats.produce.last(produced) if produced > 0 else []
-            steps = stats.step.last(WINDOW)
-            window = Window(
-                threaded=thread.threaded,
-                period=(now - start) / WINDOW,
-                step=sum(steps) / len(steps) if steps else math.nan,
-                produce=sum(made) / len(made) if made else math.nan,
-                remaining=self._left(),
-            )
-            wanted = decision.window(window)
-            if wanted != thread.threaded:
-                thread.switch(wanted)
-            stats.parked_because = "" if decision.threaded else decision.note
-        if decision is not None and (thread.switching or thread.generation != self._generation):
-            # A switch under way, or just made: let the thread hand over what it made, or fill
-            # its queue, before the next window is measured.
-            self._window_start = None
-            self._countdown = thread.max_prefetch + 1
-        else:
-            self._countdown = WINDOW
-        self._generation = thread.generation
-        self._produced = stats.produce.recorded
-        if len(stats.wait.pending) >= FOLD_EVERY:
-            stats.fold()
-
-    def _left(self) -> int | None:
-        """Batches left in the epoch, where it has a length."""
-        length = self._epoch_length
-        return None if length is None else max(0, length - self._stats.wait.recorded)
-
-    def _finish(self) -> None:
-        """``next()`` found no more outcomes: the source ended, or the iterator was closed."""
-        if self._thread.ended:
-            self.epoch.tally.ended = True
-        if self._decision is not None:
-            self._decision.epoch_ended()
+        # The meter holds what a batch touches, in slots: this class's __getattr__ (the
+        # DataLoader iterator's private attributes, read through) would slow every one.
+        meter = self._meter
+        if meter.lent is None:
+            return meter.next()  # type: ignore[no-any-return]  # an item of the source
+        return meter.lent_next()  # type: ignore[no-any-return]  # an item of the source
 
     def __len__(self) -> int:
         source = self._source
@@ -263,6 +164,7 @@ class PrefetchIterator(_BaseDataLoaderIter, Iterator[T], Generic[T]):
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         """DataLoader's hook for persistent workers: the next epoch over the same iterator."""
+        self._meter.return_lent()
         self._stage.close()
         if self._thread.producer_alive:
             # Resetting the iterator under a thread that still calls next() on it would mix two
@@ -291,6 +193,7 @@ class PrefetchIterator(_BaseDataLoaderIter, Iterator[T], Generic[T]):
         Idempotent; ``next()`` raises `StopIteration` afterwards. The DataLoader iterator is
         released, so its workers shut down, unless the loader keeps it for persistent workers.
         """
+        self._meter.return_lent()
         self._stage.close()
         if not self._keep_source and self._source is not None:
             try:

@@ -111,19 +111,19 @@ class Tally:
 
     Kept apart from the iterator so that the loader can still read it after the loop drops the
     iterator (an early ``break``): it is how far the loop got, whatever ran ahead. The iterator
-    records one wait sample per outcome it hands over, so the tally reads that ``series``.
+    counts each outcome in ``stats.handed`` as it hands it over.
     """
 
-    __slots__ = ("_series", "ended")
+    __slots__ = ("_stats", "ended")
 
-    def __init__(self, series: Series) -> None:
-        self._series = series
+    def __init__(self, stats: EpochStats) -> None:
+        self._stats = stats
         self.ended = False
 
     @property
     def count(self) -> int:
         """Outcomes handed over so far: batches, and errors raised in their place."""
-        return self._series.recorded
+        return self._stats.handed
 
 
 class EpochStats:
@@ -168,6 +168,8 @@ class EpochStats:
         self.gpu_warmup_s = math.nan
         """The caller's stream's idle time before the epoch's first batch; ``nan`` without
         a CUDA device stage or before its events complete."""
+        self.handed = 0
+        """Batches and errors handed to the loop, counted as each is handed over."""
         self.from_thread = 0
         """Batches and errors taken from the thread's queue; the others the loop made itself."""
         self.parked_because = ""
@@ -192,12 +194,12 @@ class EpochStats:
     @property
     def batches(self) -> int:
         """Batches handed to the loop."""
-        return self.wait.recorded - self._errors
+        return self.handed - self._errors
 
     @property
     def inline_batches(self) -> int:
         """Batches and errors the loop made itself, not taken from the thread's queue."""
-        return max(0, self.wait.recorded - self.from_thread)
+        return max(0, self.handed - self.from_thread)
 
     @property
     def input_bound_fraction(self) -> float:
@@ -257,7 +259,7 @@ class EpochStats:
         """What the verdict adds about the thread: why it was parked, or what it costs the
         step where that was measured."""
         if self.parked_because:
-            share = self.inline_batches / max(1, self.wait.count)
+            share = self.inline_batches / max(1, self.handed)
             return f"; ran without the thread for {share:.0%} of the batches: {self.parked_because}"
         if not self.step_threaded.count:
             return ""  # no step ran beside the thread: it cost the step nothing
@@ -279,7 +281,7 @@ class EpochStats:
         With GPU samples, it goes by the GPU's idle time rather than the loop's waits: a loop
         that runs ahead of the GPU may wait in ``next()`` while the GPU is still busy.
         """
-        if self.wait.count == 0:
+        if self.handed == 0:
             return "no batches yet"
         return self._data_verdict() + self._thread_clause()
 
@@ -334,7 +336,7 @@ class EpochStats:
 
     def __str__(self) -> str:
         errors = f" and {self.errors} errors" if self.errors else ""
-        if not self.wait.count:
+        if not self.handed:
             return self.verdict()
         gpu = ""
         if self.gpu_idle.count:

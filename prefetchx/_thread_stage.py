@@ -193,6 +193,23 @@ class ThreadStage(Iterator[T], Generic[T]):
         producer = self._producer
         return self._made + (producer.calls if producer is not None else 0)
 
+    def lend(self) -> Iterator[T] | None:
+        """The source itself, for a caller that makes the next items with no call of the stage
+        between (a loop too fast for one), or ``None`` where it may not:
+        the thread runs or parks, or is still to start after the first item, or the stage has
+        ended. Each call the caller makes is counted back with `made`, before any `switch`."""
+        if self.threaded or self._parking or self._start_after_first or self._source is None:
+            return None
+        return self._source
+
+    def made(self, calls: int) -> None:
+        """Count ``calls`` of the lent source, made by the caller (see `lend`)."""
+        self._made += calls
+
+    def ended_by_caller(self) -> None:
+        """The lent source raised `StopIteration` to the caller: the stage has ended."""
+        self._end()
+
     def _make_here(self) -> Any:
         """The next outcome, made in the caller's thread: the first item (the thread starts
         right after it), or any item while the thread is parked, ended or absent."""

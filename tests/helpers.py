@@ -444,6 +444,10 @@ class Switching(Decision):
         super().__init__()
         self.switches = 0
 
+    @property
+    def window_batches(self) -> int:
+        return 1
+
     def window(self, window: Window) -> bool:
         self.switches += 1
         return not window.threaded

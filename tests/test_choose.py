@@ -5,17 +5,28 @@ from __future__ import annotations
 import math
 import random
 
-from prefetchx._choose import BUDGET, HISTORY, PROBE, WINDOW, Decision, Window
+from prefetchx._choose import (
+    BUDGET,
+    HISTORY,
+    MAX_BACKOFF,
+    PROBE,
+    QUIET_WINDOW,
+    WINDOW,
+    Decision,
+    Window,
+)
 
 US = 1e-6
 
 
-def threaded(period: float, step: float, produce: float, remaining: int | None = None) -> Window:
-    return Window(True, period, step, produce, remaining)
+def threaded(
+    period: float, step: float, produce: float, remaining: int | None = None, batches: int = WINDOW
+) -> Window:
+    return Window(True, batches, period, step, produce, remaining)
 
 
-def alone(period: float, remaining: int | None = None) -> Window:
-    return Window(False, period, period * 0.5, math.nan, remaining)
+def alone(period: float, remaining: int | None = None, batches: int = WINDOW) -> Window:
+    return Window(False, batches, period, period * 0.5, math.nan, remaining)
 
 
 def run(decision: Decision, make: dict[bool, Window], windows: int) -> list[bool]:
@@ -25,7 +36,7 @@ def run(decision: Decision, make: dict[bool, Window], windows: int) -> list[bool
     for _ in range(windows):
         mode = decision.wanted
         modes.append(mode)
-        decision.window(make[mode])
+        decision.window(make[mode]._replace(batches=decision.window_batches))
     return modes
 
 
@@ -167,13 +178,20 @@ def test_a_parked_loop_tries_the_thread_again_and_takes_it_where_it_now_wins() -
 
 def test_probes_cost_at_most_the_budget_where_they_lose() -> None:
     # A long run where the thread wins by 2x: the windows the loop alone ran (the probes) cost
-    # at most BUDGET of the loop's time over what the thread would have taken.
+    # at most BUDGET of the loop's time over what the thread would have taken, and the windows
+    # grow as probes keep losing.
     decision = Decision()
     make = {True: threaded(1e-3, 1e-3, 1e-3, None), False: alone(2e-3, None)}
-    modes = run(decision, make, 20000)
-    probe_windows = modes.count(False)
-    assert probe_windows > 0  # it does look again
-    lost = probe_windows * WINDOW * (2e-3 - 1e-3)
-    total = modes.count(True) * WINDOW * 1e-3 + probe_windows * WINDOW * 2e-3
+    lost = total = 0.0
+    sizes = set()
+    for _ in range(20000):
+        mode, batches = decision.wanted, decision.window_batches
+        sizes.add(batches)
+        decision.window(make[mode]._replace(batches=batches))
+        total += batches * (1e-3 if mode else 2e-3)
+        lost += 0.0 if mode else batches * (2e-3 - 1e-3)
+    assert lost > 0  # it does look again
     assert lost <= BUDGET * total
     assert decision.threaded
+    # Measured windows double with each lost probe; between probes, long windows only count.
+    assert sizes == {WINDOW << k for k in range(MAX_BACKOFF + 1)} | {QUIET_WINDOW}

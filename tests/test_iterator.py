@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 from conftest import leftovers
 from prefetchx import DataLoaderX, Prefetcher, _engine
 from prefetchx._iterator import PrefetchIterator
+from prefetchx._meter import Meter
 from tests.helpers import (
     ALWAYS_THREADED,
     REPO,
@@ -816,24 +817,26 @@ def test_a_close_from_another_thread_lets_the_loops_call_finish(
 def test_an_interrupt_while_the_meter_decides_is_raised_and_the_epoch_goes_on(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    mark = PrefetchIterator._mark
+    # The meter decides between two batches, before the next is taken: Ctrl-C there is raised
+    # at once and loses nothing, and the next next() gives that batch.
+    boundary = Meter._boundary
     interrupts = 0
 
-    def interrupted(self: PrefetchIterator[Any], now: float, asked: float) -> None:
+    def interrupted(self: Meter) -> None:
         nonlocal interrupts
-        mark(self, now, asked)
-        if interrupts == 0 and self._window_start is not None:
+        boundary(self)
+        if interrupts == 0 and self._stats.handed > 100:
             interrupts += 1
             raise KeyboardInterrupt  # Ctrl-C as a window ends
 
-    monkeypatch.setattr(PrefetchIterator, "_mark", interrupted)
+    monkeypatch.setattr(Meter, "_boundary", interrupted)
     loader = DataLoaderX(_FailsAt(1000, set()), batch_size=None)
     it = iter(loader)
     got: list[int] = []
     with pytest.raises(KeyboardInterrupt):
         got.extend(it)
     assert interrupts == 1
-    assert loader.stats.batches == len(got)  # the batch taken then is not counted yet
+    assert loader.stats.batches == len(got)
     got.extend(it)  # the loop goes on after it, as after any exception
     assert got == list(DataLoader(_FailsAt(1000, set()), batch_size=None))
     assert loader.stats.batches == 1000

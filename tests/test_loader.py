@@ -954,7 +954,6 @@ def test_switching_between_thread_and_loop_at_every_window_keeps_dataloaders_epo
     # The hand-over in both directions, about as often as it can happen. The batches, the
     # error in its place, the order and the draws from the loader's generator stay DataLoader's.
     monkeypatch.setattr("prefetchx._pipeline.Decision", Switching)
-    monkeypatch.setattr("prefetchx._iterator.WINDOW", 1)
     got: dict[str, Any] = {}
     for cls in (DataLoader, DataLoaderX):
         generator = torch.Generator().manual_seed(7)
