@@ -264,10 +264,10 @@ def shut_down_under_thread(source: Any) -> None:
     First what DataLoader's ``_shutdown_workers`` does before its joins: the done event set, and
     each worker sent its last index, so that it exits after the item it is making. Then the
     joins, here, `LET_GO_WAIT` at most; where every worker has exited, DataLoader's shutdown
-    proper (its queues, its pin thread), which the thread's wait would otherwise hold up. Last,
-    the thread's wait on the results is ended with a value DataLoader cannot take, so that it
-    fails there and ends (its outcomes are no one's now). A worker still busy is left to
-    DataLoader's shutdown, which runs when the thread lets go of the iterator. Nothing where this
+    proper (its queues, its pin thread), and the thread's wait on the results ended with a value
+    DataLoader cannot take, so that it fails there and ends (its outcomes are no one's now). A
+    worker still busy (an item of many seconds) leaves it all to the thread, which lets go of the
+    iterator when its call returns, and DataLoader's shutdown runs then. Nothing where this
     torch's iterator lacks these parts, or is shut down already: the thread then ends when its
     call returns, or is reaped.
     """
@@ -283,8 +283,9 @@ def shut_down_under_thread(source: Any) -> None:
     deadline = time.monotonic() + _engine.LET_GO_WAIT
     for worker in workers:
         worker.join(max(0.0, deadline - time.monotonic()))
-    if not any(worker.is_alive() for worker in workers):
-        source._shutdown_workers()
+    if any(worker.is_alive() for worker in workers):
+        return  # busy longer: left to the thread, which lets go when its call returns
+    source._shutdown_workers()
     with contextlib.suppress(Exception):  # where this fails, the thread is reaped (see above)
         _wake(getattr(source, "_data_queue", None))
 

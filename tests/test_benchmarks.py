@@ -710,3 +710,28 @@ def test_the_resume_fuzz_refuses_no_trials() -> None:
     done = _run("resume_fuzz", "--trials", "0")
     assert done.returncode == 2
     assert "--trials must be >= 1, got 0" in done.stderr
+
+
+# --- exits.py (issue #63) ------------------------------------------------------------------------
+
+
+def test_the_quick_exits_run_times_every_way_out_for_both_loaders(tmp_path: Path) -> None:
+    stem = tmp_path / "exits"
+    done = _run("exits", "--quick", "--out", str(stem))
+    assert done.returncode == 0, done.stderr
+    record = json.loads(Path(f"{stem}.json").read_text())
+    assert record["meta"]["quick"] is True
+    assert record["meta"]["commit"] in Path(f"{stem}.txt").read_text().splitlines()[0]
+    program = _program("exits")
+    assert set(record["results"]) == set(program.SCENARIOS)
+    for name, arms in record["results"].items():
+        assert set(arms) == {"DataLoader", "DataLoaderX"}, name
+        for trials in arms.values():
+            assert len(trials) == 2
+            assert all(value >= 0 for trial in trials for value in trial.values())
+
+
+def test_exits_refuses_no_trials() -> None:
+    done = _run("exits", "--trials", "0")
+    assert done.returncode == 2
+    assert "--trials must be >= 1, got 0" in done.stderr
