@@ -24,6 +24,13 @@ from prefetchx._producer import Producer
 
 T = TypeVar("T")
 
+RECORDS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "results")
+needs_records = pytest.mark.skipif(
+    not os.path.isdir(RECORDS),
+    reason="the benchmark records live in the repository, not in the source distribution",
+)
+"""For tests that read a recorded run under ``benchmarks/results/``."""
+
 
 class Squares(Dataset[torch.Tensor]):
     """``n`` items; item ``i`` is ``[i, i*i]``. Optionally fails at one index or sleeps."""

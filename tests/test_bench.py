@@ -44,7 +44,7 @@ from prefetchx.bench.synthetic import (
     overlaps,
     release,
 )
-from tests.helpers import Squares
+from tests.helpers import Squares, needs_records
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDED = ROOT / "benchmarks" / "results" / "bench-cpu-2core.json"
@@ -730,6 +730,7 @@ def test_a_bad_value_from_the_shell_prints_no_traceback() -> None:
     assert done.stdout == ""
 
 
+@needs_records
 def test_the_plot_of_the_recorded_run_has_no_text_overlapping() -> None:
     pytest.importorskip("matplotlib")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -760,6 +761,7 @@ def test_the_plot_of_the_recorded_run_has_no_text_overlapping() -> None:
         assert fig.bbox.contains(box.x1, box.y1), text.get_text()
 
 
+@needs_records
 def test_the_plot_says_the_runs_conclusion_and_shows_the_rounds_spread() -> None:
     pytest.importorskip("matplotlib")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -790,6 +792,7 @@ def test_the_plot_says_the_runs_conclusion_and_shows_the_rounds_spread() -> None
         assert {c.get_label() for c in bars} <= {"recipe", "prefetchx"}  # plain is the line
 
 
+@needs_records
 def test_benchmarks_plot_redraws_a_recorded_run(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     done = subprocess.run(

@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader
 
 import prefetchx
 from prefetchx import DataLoaderX
+from tests.helpers import needs_records
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -349,6 +350,7 @@ def test_readme_needs_no_link_relative_to_the_repository() -> None:
         assert (ROOT / name).exists(), name
 
 
+@needs_records
 def test_the_plot_on_the_site_is_the_recorded_run_its_caption_names() -> None:
     # The caption names the commit; the run recorded at that commit is kept under that name,
     # so a later recording of the bench cannot change the plot under an old caption.
@@ -366,9 +368,18 @@ def test_readme_two_commands_stay_the_install_and_the_tests() -> None:
     readme = (ROOT / "README.md").read_text()
     section = readme.split("\n## The two commands\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"^```bash\n(.*?)\n```$", section, flags=re.MULTILINE | re.DOTALL)
-    assert blocks[:2] == ['pip install -e ".[dev]" && python -m prefetchx bench', "pytest"]
-    # The CPU build of torch is an option for machines without a GPU, not the default.
-    assert blocks[2:] == ["pip install torch --index-url https://download.pytorch.org/whl/cpu"]
+    # The CPU build of torch comes first, for machines without a GPU: installed after the first
+    # command, it would come after gigabytes of PyPI's CUDA build.
+    assert blocks == [
+        "pip install torch --index-url https://download.pytorch.org/whl/cpu",
+        'pip install -e ".[dev]" && python -m prefetchx bench',
+        "pytest",
+    ]
+    # The first screen says what it is, who needs it and how long the main job takes.
+    first_screen = readme.split("\n## The two commands\n", 1)[0]
+    assert "DataLoader" in first_screen
+    assert "GPU" in first_screen
+    assert re.search(r"about \d+\s+minutes", section)
 
 
 def test_the_site_carries_the_mermaid_that_material_would_fetch() -> None:

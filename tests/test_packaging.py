@@ -8,11 +8,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import needs_records
+
 ROOT = Path(__file__).resolve().parent.parent
 
 NEEDED_BY_TESTS = ["tests", "docs", "examples", "benchmarks", "conftest.py", "CHANGELOG.md"]
 """What `pytest` in an unpacked sdist reads besides the package: its helpers and fixtures, the
-pages whose samples it runs, the example it launches, the recorded plot it compares."""
+pages whose samples it runs, the example it launches, the benchmark programs it runs."""
+
+RECORDS = "benchmarks/results/"
+"""The recorded runs: the repository's, not the sdist's (the tests that read them skip there)."""
 
 
 def _files(*names: str) -> set[str]:
@@ -37,12 +42,14 @@ def test_the_sdist_manifest_takes_every_file_the_tests_need(
         if line.strip() and not line.startswith("#"):
             manifest.process_template_line(line)
     taken = {f.replace(os.sep, "/") for f in manifest.files}
-    needed = _files(*NEEDED_BY_TESTS)
+    needed = {f for f in _files(*NEEDED_BY_TESTS) if not f.startswith(RECORDS)}
     assert "tests/helpers.py" in needed
     assert not needed - taken, sorted(needed - taken)
+    assert not [f for f in taken if f.startswith(RECORDS)]
     assert not [f for f in taken if f.endswith((".pyc", ".pyo"))]
 
 
+@needs_records
 def test_the_classifiers_name_the_python_versions_the_suite_passed_on() -> None:
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
