@@ -309,6 +309,10 @@ class IndexRecorder:
         caller = self._callers() if resume.at_draw[0] is not None else None
         try:
             set_states(self.generators, resume.at_draw)
+            if any(state is None for state in resume.at_draw):
+                # Drawn from as it is: what it was at this draw is this epoch's now, so that a
+                # state taken later in the epoch replays this draw, not the RNG as it is then.
+                self._position.at_draw = self._states()
             skipped = resume.consumed
             # A draw that raised reached the saved run's loop in place of a batch: without
             # workers the batch of that draw; with workers, whose index queues DataLoader keeps
@@ -336,6 +340,8 @@ class IndexRecorder:
                     continue  # the sampler goes on after it, as DataLoader asks again
                 if drawn == 0 and resume.digest is not None and digest(indices) != resume.digest:
                     raise _not_replayed()
+                if drawn == 0 and resume.digest is None:
+                    self._position.digest = digest(indices)  # this epoch's first draw, noted
                 if slots == skipped:
                     self._passes = max(0, received - drawn - 1)
                     return indices

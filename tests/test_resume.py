@@ -760,6 +760,50 @@ def test_a_state_taken_before_the_first_next_resumes_the_whole_epoch() -> None:
     assert torch.rand(2).tolist() == after
 
 
+def test_an_epoch_resumed_from_before_its_first_next_resumes_again_mid_epoch() -> None:
+    # Found by benchmarks/resume_fuzz.py. The first state is taken before the sampler's first
+    # draw, from the global RNG "as it is"; the resumed epoch draws, the loop takes 2 batches
+    # (and draws from the global RNG, as dropout does), and a second state is taken. It must
+    # hold the global RNG's state at the resumed epoch's draw, not "as it is" again, which is
+    # by then past the loop's draws: the second resume shuffled the rest anew.
+    make = _maker(seeded=False)
+    torch.manual_seed(0)
+    plain = DataLoader(range(N), batch_size=BATCH, shuffle=True)
+    expected = []
+    for batch in plain:
+        expected.append(batch.tolist())
+        torch.rand(1)
+
+    torch.manual_seed(0)
+    loader = make()
+    it = iter(loader)
+    state = _through_disk(loader.state_dict())
+    rng = torch.get_rng_state()
+    it.close()
+
+    torch.manual_seed(7)
+    resumed = make()
+    resumed.load_state_dict(state)
+    torch.set_rng_state(rng)
+    it = iter(resumed)
+    got = []
+    for _ in range(2):
+        got.append(next(it).tolist())
+        torch.rand(1)
+    state = _through_disk(resumed.state_dict())
+    rng = torch.get_rng_state()
+    it.close()
+
+    torch.manual_seed(9)
+    again = make()
+    again.load_state_dict(state)
+    torch.set_rng_state(rng)
+    for batch in again:
+        got.append(batch.tolist())
+        torch.rand(1)
+    assert got == expected
+
+
 def test_load_into_a_loader_with_running_persistent_workers() -> None:
     make = _maker(seeded=True, num_workers=2, persistent_workers=True)
     expected = _uninterrupted(make)
