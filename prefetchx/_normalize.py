@@ -75,7 +75,9 @@ class Normalize:
                 f"`std` is negative on channel {channel}, {self.std[channel]}: it flips the sign "
                 "of that channel's output; a standard deviation is positive.",
                 UserWarning,
-                stacklevel=4,  # the DataLoaderX(...) or Prefetcher(...) call, through Pipeline
+                # The DataLoaderX(...) or Prefetcher(...) call, through PrefetchOptions' __init__
+                # and __post_init__.
+                stacklevel=5,
             )
         if not isinstance(channels_last, bool):
             raise TypeError(f"`channels_last` must be a bool, got {channels_last!r}.")

@@ -5,22 +5,21 @@ from __future__ import annotations
 import sys
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
-import torch
 from torch.utils.data import DataLoader
 
-from prefetchx import _engine
+from prefetchx import _engine, _options
 from prefetchx._iterator import Epoch, PrefetchIterator, length_of, loop_calls
 from prefetchx._loader import (
     ACCELERATE_SKIP_DROPS_STAGES,
-    PREFETCH_DEFAULTS,
     DataLoaderX,
     _outside_accelerate,
     _read_by_accelerates_skip,
     accelerate_preparing,
 )
+from prefetchx._options import PrefetchOptions
 from prefetchx._pipeline import Pipeline
 from prefetchx._producer import settle
 from prefetchx._stats import EpochStats
@@ -57,17 +56,9 @@ class Prefetcher(Generic[T]):
 
     Args:
         iterable: Where batches come from; iterated once per ``iter()``.
-        max_prefetch: Batches the background thread keeps ready; ``0`` runs no thread.
-        device: Where batches go: ``None`` for the current accelerator if there is one (for
-            accelerate's loader: where accelerate puts them).
-        mean: Per-channel means of the input, in its units as collated.
-        std: Per-channel standard deviations; ``(x - mean) / std``.
-        dtype: Floating dtype of the input after normalization.
-        channels_last: Return a 4-D input in channels_last memory format.
-        input_key: Which element of a batch is the input.
-        device_prefetch: Batches in flight on the device besides the caller's (none is made
-            ahead with ``max_prefetch=0``).
-        non_blocking: Asynchronous copies (CUDA, from pinned memory).
+        **options: The prefetch arguments, keyword-only, as `DataLoaderX`'s (``help()`` shows
+            them). For accelerate's loader, ``device=None`` means where accelerate puts
+            batches; with ``max_prefetch=0`` no batch is made ahead for the device.
 
     Raises:
         TypeError: An argument has the wrong type.
@@ -80,33 +71,19 @@ class Prefetcher(Generic[T]):
         ([[0, 1, 2, 3], [4, 5]], 2, 4)
     """
 
-    def __init__(
-        self,
-        iterable: Iterable[T],
-        *,
-        max_prefetch: int = 2,
-        device: str | torch.device | int | None = None,
-        mean: Sequence[float] | None = None,
-        std: Sequence[float] | None = None,
-        dtype: torch.dtype | None = None,
-        channels_last: bool = False,
-        input_key: int | str = 0,
-        device_prefetch: int = 1,
-        non_blocking: bool = True,
-    ) -> None:
+    def __init__(self, iterable: Iterable[T], **options: Any) -> None:
         self.iterable = iterable
         self._latest: Epoch | None = None
         self._live: weakref.WeakSet[PrefetchIterator[T]] = weakref.WeakSet()
-        stages = {name: value for name, value in locals().items() if name in PREFETCH_DEFAULTS}
-        self._stages = stages
-        """The stage arguments, for a copy over another iterable (a loader skipped into)."""
-        self._pipeline = Pipeline(**stages)
+        self._options = PrefetchOptions(**options)
+        """For a copy over another iterable (a loader skipped into)."""
+        self._pipeline = Pipeline(self._options)
         self._accelerates: Any = None
         """accelerate's loader, copied, with the stages beneath it; None for any other iterable."""
         if _is_accelerates(iterable):
             from prefetchx.accelerate import _copy_with_stages
 
-            self._accelerates = _copy_with_stages(iterable, stages)
+            self._accelerates = _copy_with_stages(iterable, self._options)
 
     def __iter__(self) -> Iterator[T]:
         if self._accelerates is not None:
@@ -194,3 +171,7 @@ def _is_accelerates(iterable: Any) -> bool:
     adapter = getattr(module, "DataLoaderAdapter", None)
     # type(), not isinstance(): accelerate's loaders report the class of the DataLoader inside.
     return adapter is not None and issubclass(type(iterable), adapter)
+
+
+Prefetcher.__init__.__signature__ = _options.signature(Prefetcher.__init__)  # type: ignore[attr-defined]
+Prefetcher.__doc__ = _options.document(Prefetcher.__doc__)

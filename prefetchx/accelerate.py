@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import accelerate.data_loader as accelerate_data_loader
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from prefetchx._loader import PREFETCH_DEFAULTS, DataLoaderX, accelerate_preparing
+from prefetchx import _options
+from prefetchx._loader import DataLoaderX, accelerate_preparing
+from prefetchx._options import PrefetchOptions
 from prefetchx._prefetcher import Prefetcher
 
 __all__ = ["add_stages", "prepare", "skip_first_batches"]
@@ -78,23 +80,11 @@ def prepare(accelerator: Any, *objects: Any, device_placement: list[bool] | None
     prepared = result if len(objects) > 1 else (result,)
     for given, made in zip(objects, prepared, strict=True):
         if isinstance(given, DataLoaderX) and made is not given:
-            _beneath(made, _stages_of(given), pin_host=given._pipeline.pin_host)
+            _beneath(made, given._options.arguments(), pin_host=given._pipeline.pin_host)
     return result
 
 
-def add_stages(
-    loader: Any,
-    *,
-    max_prefetch: int = 2,
-    device: str | torch.device | int | None = None,
-    mean: Sequence[float] | None = None,
-    std: Sequence[float] | None = None,
-    dtype: torch.dtype | None = None,
-    channels_last: bool = False,
-    input_key: int | str = 0,
-    device_prefetch: int = 1,
-    non_blocking: bool = True,
-) -> Any:
+def add_stages(loader: Any, **options: Any) -> Any:
     """Put both stages beneath a loader accelerate prepared, in place, and return it.
 
     The `DataLoader` inside accelerate's loader is replaced by a `DataLoaderX` with the same
@@ -111,15 +101,8 @@ def add_stages(
     Args:
         loader: What ``accelerator.prepare`` or ``accelerator.prepare_data_loader`` returned for
             a `DataLoader` (a ``DataLoaderShard`` or ``DataLoaderDispatcher``).
-        max_prefetch: As `DataLoaderX`'s, and the arguments after it.
-        device: As `DataLoaderX`'s; ``None``: where accelerate places batches.
-        mean: As `DataLoaderX`'s.
-        std: As `DataLoaderX`'s.
-        dtype: As `DataLoaderX`'s.
-        channels_last: As `DataLoaderX`'s.
-        input_key: As `DataLoaderX`'s.
-        device_prefetch: As `DataLoaderX`'s.
-        non_blocking: As `DataLoaderX`'s.
+        **options: The prefetch arguments, keyword-only, as `DataLoaderX`'s (``help()`` shows
+            them); ``device=None`` means where accelerate places batches.
 
     Returns:
         ``loader``, with the stages.
@@ -136,8 +119,7 @@ def add_stages(
                 return prefetchx.accelerate.add_stages(super().get_train_dataloader())
         ```
     """
-    stages = {name: value for name, value in locals().items() if name in PREFETCH_DEFAULTS}
-    _beneath(loader, stages, pin_host=True)
+    _beneath(loader, options, pin_host=True)
     return loader
 
 
@@ -165,7 +147,8 @@ def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
     if isinstance(dataloader, Prefetcher):
         if dataloader._accelerates is None:  # over any other loader: the same stages over its skip
             return Prefetcher(
-                skip_first_batches(dataloader.iterable, num_batches), **dataloader._stages
+                skip_first_batches(dataloader.iterable, num_batches),
+                **dataloader._options.arguments(),
             )
         dataloader = dataloader._accelerates  # its copy of accelerate's loader, with the stages
     with _preparing():
@@ -173,14 +156,14 @@ def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
     source = dataloader.base_dataloader if _is_accelerates(dataloader) else dataloader
     if not isinstance(source, DataLoaderX):
         return skipped
-    stages = _stages_of(source)
+    stages = source._options.arguments()
     if _is_accelerates(skipped):
         _beneath(skipped, stages, pin_host=source._pipeline.pin_host)
         return skipped
     return _rebuild(skipped, stages, pin_host=source._pipeline.pin_host)
 
 
-def _copy_with_stages(loader: Any, stages: dict[str, Any]) -> Any:
+def _copy_with_stages(loader: Any, options: PrefetchOptions) -> Any:
     """A copy of accelerate's ``loader`` with the stages beneath it; ``loader`` is unchanged.
 
     For `Prefetcher`, which must not change the loader it is given. The copy shares everything
@@ -191,7 +174,7 @@ def _copy_with_stages(loader: Any, stages: dict[str, Any]) -> Any:
         raise TypeError(f"prefetchx: not a loader accelerate prepared: {type(loader).__name__}")
     copy = object.__new__(type(loader))
     copy.__dict__.update(loader.__dict__)
-    _beneath(copy, stages, pin_host=True)
+    _beneath(copy, options.arguments(), pin_host=True)
     return copy
 
 
@@ -213,7 +196,7 @@ def _beneath(loader: Any, stages: dict[str, Any], *, pin_host: bool) -> None:
             "DataLoaderX has its own state_dict() for exact mid-epoch resume."
         )
     stages = dict(stages)
-    if stages["device"] is None:
+    if stages.get("device") is None:
         stages["device"] = _placement(loader)
     loader.base_dataloader = _rebuild(base, stages, pin_host=pin_host)
 
@@ -243,10 +226,6 @@ def _rebuild(base: DataLoader[Any], stages: dict[str, Any], *, pin_host: bool) -
     return twin
 
 
-def _stages_of(loader: DataLoaderX[Any]) -> dict[str, Any]:
-    return {name: getattr(loader, name) for name in PREFETCH_DEFAULTS}
-
-
 def _placement(loader: Any) -> torch.device | str:
     """Where accelerate's ``loader`` puts batches: its device, or the host."""
     if isinstance(loader, accelerate_data_loader.DataLoaderDispatcher):
@@ -269,3 +248,7 @@ def _preparing() -> Iterator[None]:
         yield
     finally:
         accelerate_preparing.active = previous
+
+
+add_stages.__signature__ = _options.signature(add_stages)  # type: ignore[attr-defined]
+add_stages.__doc__ = _options.document(add_stages.__doc__)
