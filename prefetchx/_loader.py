@@ -95,7 +95,8 @@ class DataLoaderX(DataLoader[T_co]):
     The prefetch arguments are keyword-only and stored as same-named attributes.
 
     Raises:
-        TypeError: An argument has the wrong type.
+        TypeError: An argument has the wrong type, or is none of its arguments (the message
+            names the closest one).
         ValueError: An argument has a bad value, or ``device`` does not exist here.
 
     Examples:
@@ -120,7 +121,7 @@ class DataLoaderX(DataLoader[T_co]):
         # Checked before DataLoader builds anything. Every prefetch argument is stored under its
         # own name because frameworks (Lightning) rebuild a loader from its __init__ signature
         # and attributes; the checked and resolved forms live in the options and the pipeline.
-        given, kwargs = _options.split(kwargs)
+        given, kwargs = _options.split(type(self).__name__, kwargs, _DATALOADER_ARGUMENTS)
         self._options = PrefetchOptions(**given)
         for name, value in self._options.arguments().items():
             setattr(self, name, value)
@@ -510,6 +511,9 @@ class DataLoaderX(DataLoader[T_co]):
         self.__dict__.update(state)
         self.__dict__["_live"] = weakref.WeakSet()
 
+
+_DATALOADER_ARGUMENTS = frozenset(inspect.signature(DataLoader.__init__).parameters) - {"self"}
+"""The names DataLoader's own ``__init__`` takes, in the installed torch."""
 
 _handover = threading.local()
 """``(loader, recorder)`` while that loader's DataLoader makes an iterator on this thread."""

@@ -8,9 +8,10 @@ signatures and ``help()`` from here; the pipeline builds its stages from the che
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import field
 from typing import Any
 
@@ -142,8 +143,20 @@ def document(doc: str | None) -> str:
     return (doc or "").rstrip() + "\n" + "\n".join(lines) + "\n"
 
 
-def split(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``kwargs`` as (the prefetch options, the rest)."""
+def split(
+    owner: str, kwargs: dict[str, Any], others: Collection[str] = ()
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``kwargs`` as (the prefetch options, the rest); the rest may only be names in ``others``.
+
+    Raises:
+        TypeError: A name is neither an option nor in ``others``; the message names ``owner``
+            and the closest valid name.
+    """
     ours = {name: value for name, value in kwargs.items() if name in NAMES}
     rest = {name: value for name, value in kwargs.items() if name not in NAMES}
+    for name in rest:
+        if name not in others:
+            close = difflib.get_close_matches(name, [*NAMES, *others], n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}.{hint}")
     return ours, rest

@@ -61,7 +61,8 @@ class Prefetcher(Generic[T]):
             batches; with ``max_prefetch=0`` no batch is made ahead for the device.
 
     Raises:
-        TypeError: An argument has the wrong type.
+        TypeError: An argument has the wrong type, or is none of its arguments (the message
+            names the closest one).
         ValueError: An argument has a bad value, or ``device`` does not exist here.
 
     Examples:
@@ -75,7 +76,8 @@ class Prefetcher(Generic[T]):
         self.iterable = iterable
         self._latest: Epoch | None = None
         self._live: weakref.WeakSet[PrefetchIterator[T]] = weakref.WeakSet()
-        self._options = PrefetchOptions(**options)
+        given, _ = _options.split(type(self).__name__, options)
+        self._options = PrefetchOptions(**given)
         """For a copy over another iterable (a loader skipped into)."""
         self._pipeline = Pipeline(self._options)
         self._accelerates: Any = None

@@ -108,7 +108,8 @@ def add_stages(loader: Any, **options: Any) -> Any:
         ``loader``, with the stages.
 
     Raises:
-        TypeError: ``loader`` is not a loader accelerate prepared, or is XLA's.
+        TypeError: ``loader`` is not a loader accelerate prepared, or is XLA's, or a keyword is
+            none of the prefetch arguments (the message names the closest one).
         ValueError: ``loader`` wraps a torchdata ``StatefulDataLoader``
             (``use_stateful_dataloader=True``), or a prefetch argument is bad.
 
@@ -119,7 +120,8 @@ def add_stages(loader: Any, **options: Any) -> Any:
                 return prefetchx.accelerate.add_stages(super().get_train_dataloader())
         ```
     """
-    _beneath(loader, options, pin_host=True)
+    given, _ = _options.split("add_stages", options)
+    _beneath(loader, given, pin_host=True)
     return loader
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from prefetchx import DataLoaderX, Prefetcher
 from prefetchx._options import NAMES, PrefetchOptions
@@ -70,3 +71,48 @@ def test_accelerates_add_stages_shows_the_same_options() -> None:
 
     assert _prefetch_parameters(pxa.add_stages) == _prefetch_parameters(Prefetcher)
     assert "device_prefetch: Batches in flight" in (pxa.add_stages.__doc__ or "")
+
+
+@pytest.mark.parametrize(
+    ("owner", "misspelled", "meant"),
+    [
+        ("DataLoaderX", "max_prefech", "max_prefetch"),
+        ("DataLoaderX", "batch_szie", "batch_size"),  # DataLoader's own arguments too
+        ("DataLoaderX", "num_worker", "num_workers"),
+        ("Prefetcher", "devce", "device"),
+        ("Prefetcher", "chanels_last", "channels_last"),
+    ],
+)
+def test_a_misspelled_argument_names_the_class_and_the_closest_argument(
+    owner: str, misspelled: str, meant: str
+) -> None:
+    with pytest.raises(TypeError) as raised:
+        if owner == "DataLoaderX":
+            DataLoaderX(range(4), **{misspelled: 2})
+        else:
+            Prefetcher([], **{misspelled: 2})
+    assert str(raised.value) == (
+        f"{owner}() got an unexpected keyword argument {misspelled!r}. Did you mean {meant!r}?"
+    )
+
+
+def test_an_unknown_argument_is_a_type_error_as_with_dataloader() -> None:
+    with pytest.raises(TypeError, match="unexpected keyword argument 'zzz'"):
+        DataLoader(range(4), zzz=1)  # type: ignore[call-arg]
+    with pytest.raises(TypeError) as raised:
+        DataLoaderX(range(4), zzz=1)
+    assert str(raised.value) == "DataLoaderX() got an unexpected keyword argument 'zzz'."
+
+
+def test_add_stages_names_itself_for_a_misspelled_argument() -> None:
+    pytest.importorskip("accelerate")
+    import prefetchx.accelerate as pxa
+
+    with pytest.raises(TypeError, match=r"add_stages\(\) .* 'max_prefech'\. Did you mean"):
+        pxa.add_stages(object(), max_prefech=1)
+
+
+def test_a_negative_std_warns_at_the_callers_line_for_prefetcher_too() -> None:
+    with pytest.warns(UserWarning, match=r"`std` is negative") as caught:
+        Prefetcher([], mean=(1.0,), std=(-1.0,))
+    assert [w.filename for w in caught] == [__file__]
