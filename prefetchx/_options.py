@@ -61,8 +61,9 @@ class PrefetchOptions:
     )
     mean: Sequence[float] | None = _option(
         None,
-        """Per-channel means of the input, in its units as collated (0-255 for uint8 images),
-        applied on dim 1 of an ``N, C, ...`` input. With ``std``.""",
+        """Per-channel means of the input, in its units as collated (0-255 for uint8 images:
+        0-1 constants on uint8 input warn once), applied on dim 1 of an ``N, C, ...`` input.
+        With ``std``.""",
     )
     std: Sequence[float] | None = _option(
         None, "Per-channel standard deviations; ``(x - mean) / std``."
