@@ -6,17 +6,16 @@ import contextlib
 import dataclasses
 import inspect
 import multiprocessing
-import sys
 import threading
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from prefetchx import _engine, _options
+from prefetchx import _engine, _hooks, _options
 from prefetchx._iterator import Epoch, PrefetchIterator, loop_calls
 from prefetchx._options import PrefetchOptions
 from prefetchx._pipeline import Pipeline
@@ -463,37 +462,29 @@ class DataLoaderX(DataLoader[T_co]):
             self.collate_fn.mixup_enabled = value
 
     @property
-    def _is_accelerate_prepared(self) -> bool:
-        """accelerate's mark of a loader it prepared, read first whenever it prepares one.
-
-        Its ``prepare()`` rebuilds every other loader as its own class over a plain
-        `DataLoader`, which would drop both stages: say so, at once, with the fix.
-        """
-        prepared = bool(self.__dict__.get("_accelerate_prepared", False))
-        if not prepared and not getattr(accelerate_preparing, "active", False):
-            warnings.warn(ACCELERATE_DROPS_STAGES, stacklevel=_outside_accelerate())
-        return prepared
-
-    @_is_accelerate_prepared.setter
-    def _is_accelerate_prepared(self, value: bool) -> None:
-        self.__dict__["_accelerate_prepared"] = value
-
-    @property
     def multiprocessing_context(self) -> Any:
         """DataLoader's ``multiprocessing_context``.
 
-        accelerate's ``skip_first_batches`` (``accelerator.skip_first_batches`` too) reads it
-        when it rebuilds this loader, or accelerate's loader around it, as its own class over a
-        new plain `DataLoader`, which drops both stages; nothing on the loader can carry them
-        across, so it says so at once, with the fix.
+        A framework that rebuilds this loader as a plain `DataLoader` reads it with DataLoader's
+        other arguments, and nothing in a training loop does: prefetchx's integrations are told
+        of each read, to say at once that the rebuilt loader has neither stage.
         """
-        if _read_by_accelerates_skip() and not getattr(accelerate_preparing, "active", False):
-            warnings.warn(ACCELERATE_SKIP_DROPS_STAGES, stacklevel=_outside_accelerate())
+        _hooks.read(self, "multiprocessing_context")
         return DataLoader.multiprocessing_context.fget(self)  # type: ignore[attr-defined]
 
     @multiprocessing_context.setter
     def multiprocessing_context(self, value: Any) -> None:
         DataLoader.multiprocessing_context.fset(self, value)  # type: ignore[attr-defined]
+
+    if not TYPE_CHECKING:  # a type checker would take every name as an attribute of the loader
+
+        def __getattr__(self, name: str) -> Any:
+            # Only for names not found otherwise (DataLoader has no __getattr__): a framework
+            # asking for a mark of its own, such as "prepared already". The integrations are
+            # told; the loader has no such attribute, as a DataLoader would not.
+            if not name.startswith("__"):
+                _hooks.read(self, name)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __enter__(self) -> DataLoaderX[T_co]:
         return self
@@ -518,25 +509,6 @@ _DATALOADER_ARGUMENTS = frozenset(inspect.signature(DataLoader.__init__).paramet
 _handover = threading.local()
 """``(loader, recorder)`` while that loader's DataLoader makes an iterator on this thread."""
 
-accelerate_preparing = threading.local()
-"""``active`` while `prefetchx.accelerate` has accelerate prepare or skip into loaders here."""
-
-ACCELERATE_DROPS_STAGES = (
-    "prefetchx: accelerate's prepare() rebuilds this DataLoaderX as its own loader over a plain "
-    "DataLoader: the prefetch thread, the device stage and mean/std/dtype/channels_last are "
-    "dropped, so batches come unnormalized. Use prefetchx.accelerate.prepare(accelerator, ...) "
-    "instead of accelerator.prepare(...): it prepares the same way and keeps both stages."
-)
-
-ACCELERATE_SKIP_DROPS_STAGES = (
-    "prefetchx: accelerate's skip_first_batches() (accelerator.skip_first_batches() calls it) "
-    "rebuilds this loader over a new plain DataLoader: the prefetch thread, the device stage and "
-    "mean/std/dtype/channels_last are dropped from the loader it returns, so its batches come "
-    "unnormalized. Use prefetchx.accelerate.skip_first_batches(loader, num_batches) instead: it "
-    "skips the same way and keeps both stages (the Hugging Face Trainer calls accelerate's: "
-    "transformers.trainer.skip_first_batches = prefetchx.accelerate.skip_first_batches)."
-)
-
 
 @contextlib.contextmanager
 def _handing(loader: DataLoaderX[Any], recorder: IndexRecorder | None) -> Iterator[None]:
@@ -550,34 +522,6 @@ def _handing(loader: DataLoaderX[Any], recorder: IndexRecorder | None) -> Iterat
         yield
     finally:
         _handover.pair = previous
-
-
-def _outside_accelerate() -> int:
-    """The stack level of the first caller outside accelerate, seen from a property getter.
-
-    Attribute forwarding (accelerate's loaders and `Prefetcher` forward what they lack to the
-    loader inside) is not a caller.
-    """
-    frame, level = sys._getframe(2), 2
-    while frame.f_back is not None:
-        forwarding = frame.f_code.co_name == "__getattr__"
-        if not forwarding and frame.f_globals.get("__name__", "").partition(".")[0] != "accelerate":
-            break
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _read_by_accelerates_skip() -> bool:
-    """Whether a property getter is read by accelerate's ``skip_first_batches``, directly or
-    through attribute forwarding (accelerate's loaders', `Prefetcher`'s ``__getattr__``)."""
-    frame = sys._getframe(2)
-    # It reads DataLoader's arguments in a dict comprehension, its own frame before Python 3.12.
-    while frame.f_code.co_name in ("__getattr__", "<dictcomp>") and frame.f_back is not None:
-        frame = frame.f_back
-    return (
-        frame.f_code.co_name == "skip_first_batches"
-        and frame.f_globals.get("__name__") == "accelerate.data_loader"
-    )
 
 
 @contextlib.contextmanager

@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import sys
-import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 from torch.utils.data import DataLoader
 
-from prefetchx import _engine, _options
+from prefetchx import _engine, _hooks, _options
 from prefetchx._iterator import Epoch, PrefetchIterator, length_of, loop_calls
-from prefetchx._loader import (
-    ACCELERATE_SKIP_DROPS_STAGES,
-    DataLoaderX,
-    _outside_accelerate,
-    _read_by_accelerates_skip,
-    accelerate_preparing,
-)
 from prefetchx._options import PrefetchOptions
 from prefetchx._pipeline import Pipeline
 from prefetchx._producer import settle
@@ -80,17 +71,15 @@ class Prefetcher(Generic[T]):
         self._options = PrefetchOptions(**given)
         """For a copy over another iterable (a loader skipped into)."""
         self._pipeline = Pipeline(self._options)
-        self._accelerates: Any = None
-        """accelerate's loader, copied, with the stages beneath it; None for any other iterable."""
-        if _is_accelerates(iterable):
-            from prefetchx.accelerate import _copy_with_stages
-
-            self._accelerates = _copy_with_stages(iterable, self._options)
+        self._beneath = _hooks.adapt(iterable, self._options)
+        """A framework's loader that must iterate itself (accelerate's, which looks ahead to
+        know where the epoch ends), copied with the stages beneath it by an integration; None
+        for any other iterable."""
 
     def __iter__(self) -> Iterator[T]:
-        if self._accelerates is not None:
-            # accelerate's own iteration, in this thread; the stages run beneath it.
-            return iter(self._accelerates)
+        if self._beneath is not None:
+            # The framework's own iteration, in this thread; the stages run beneath it.
+            return iter(self._beneath.outer)
         if _keeps_one_iterator(self.iterable):
             # iter() will reset the iterator our earlier iterators' threads may still be in.
             for earlier in list(self._live):
@@ -119,36 +108,25 @@ class Prefetcher(Generic[T]):
     def __getattr__(self, name: str) -> Any:
         # Only for names not found otherwise: what frameworks read from a loader (its dataset,
         # sampler, batch size, set_epoch, accelerate's end-of-data state) is the loader's.
-        wrapped = self.__dict__.get("_accelerates")
-        if wrapped is None:
-            wrapped = self.__dict__.get("iterable")
+        beneath = self.__dict__.get("_beneath")
+        wrapped = beneath.outer if beneath is not None else self.__dict__.get("iterable")
         if name.startswith("_") or wrapped is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        if (
-            name == "multiprocessing_context"
-            # A DataLoaderX says so itself, also the one beneath accelerate's loader.
-            and not isinstance(wrapped, DataLoaderX)
-            and self.__dict__.get("_accelerates") is None
-            and _read_by_accelerates_skip()
-            and not getattr(accelerate_preparing, "active", False)
-        ):
-            # accelerate's skip_first_batches rebuilds what it is given as a plain DataLoader
-            # from the attributes read here: the stages cannot come along.
-            warnings.warn(ACCELERATE_SKIP_DROPS_STAGES, stacklevel=_outside_accelerate())
+        _hooks.read(self, name)  # a framework may be rebuilding the loader from what it reads
         return getattr(wrapped, name)
 
     @property
     def stats(self) -> EpochStats:
         """The stall meter of the epoch started last (by ``iter()``), running or not."""
-        if self._accelerates is not None:
-            return self._accelerates.base_dataloader.stats  # type: ignore[no-any-return]
+        if self._beneath is not None:
+            return self._beneath.loader.stats  # type: ignore[no-any-return]
         return self._latest.stats if self._latest is not None else EpochStats()
 
     def close(self) -> None:
         """Stop every iterator of this Prefetcher still running, waiting for their threads
         (bounded), and for those of iterators dropped earlier. Idempotent."""
-        if self._accelerates is not None:
-            self._accelerates.base_dataloader.close()
+        if self._beneath is not None:
+            self._beneath.loader.close()
         for iterator in list(self._live):
             iterator.close()
         settle(_engine.JOIN_TIMEOUT)
@@ -165,14 +143,6 @@ def _keeps_one_iterator(iterable: Any) -> bool:
     return bool(
         isinstance(iterable, DataLoader) and iterable.persistent_workers and iterable.num_workers
     )
-
-
-def _is_accelerates(iterable: Any) -> bool:
-    """Whether ``iterable`` is a loader accelerate prepared (without importing accelerate)."""
-    module = sys.modules.get("accelerate.data_loader")
-    adapter = getattr(module, "DataLoaderAdapter", None)
-    # type(), not isinstance(): accelerate's loaders report the class of the DataLoader inside.
-    return adapter is not None and issubclass(type(iterable), adapter)
 
 
 Prefetcher.__init__.__signature__ = _options.signature(Prefetcher.__init__)  # type: ignore[attr-defined]
