@@ -540,16 +540,6 @@ def _beginning(epoch: Epoch, building: contextlib.AbstractContextManager[None]) 
         raise
 
 
-@contextlib.contextmanager
-def _keeping(generator: torch.Generator) -> Iterator[None]:
-    """Put ``generator`` back as it was, whatever is drawn from it inside."""
-    state = generator.get_state()
-    try:
-        yield
-    finally:
-        generator.set_state(state)
-
-
 def _refuses_pinning(dataset: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether the caller passed ``pin_memory=False``; if so, say what it costs, once."""
     signature = inspect.signature(DataLoader.__init__)
