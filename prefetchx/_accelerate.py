@@ -192,8 +192,6 @@ def _copy_with_stages(loader: Any, options: PrefetchOptions) -> Any:
     with ``loader`` (dataset, samplers, accelerate's settings) but its epoch counter, its
     end-of-data state and the `DataLoaderX` inside it.
     """
-    if not _is_accelerates(loader):
-        raise TypeError(f"prefetchx: not a loader accelerate prepared: {type(loader).__name__}")
     copy = object.__new__(type(loader))
     copy.__dict__.update(loader.__dict__)
     _beneath(copy, options.arguments(), pin_host=True)

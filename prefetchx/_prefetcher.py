@@ -69,7 +69,8 @@ class Prefetcher(Generic[T]):
         self._live: weakref.WeakSet[PrefetchIterator[T]] = weakref.WeakSet()
         given, _ = _options.split(type(self).__name__, options)
         self._options = PrefetchOptions(**given)
-        """For a copy over another iterable (a loader skipped into)."""
+        """The checked options, kept also for a copy over another iterable (a loader skipped
+        into)."""
         self._pipeline = Pipeline(self._options)
         self._beneath = _hooks.adapt(iterable, self._options)
         """A framework's loader that must iterate itself (accelerate's, which looks ahead to
