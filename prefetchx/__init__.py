@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from prefetchx import _accelerate  # noqa: F401  # registers accelerate's hooks; imports no accelerate
 from prefetchx._collate import fast_collate
 from prefetchx._loader import DataLoaderX
 from prefetchx._prefetcher import Prefetcher

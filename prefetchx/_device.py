@@ -13,28 +13,15 @@ from typing import Any
 import torch
 
 
-def resolve_device(device: str | torch.device | int | None) -> torch.device:
-    """The device batches go to: ``device`` checked, or the current accelerator, or the CPU.
+def check_device(device: str | torch.device | int | None) -> torch.device:
+    """``device`` checked, without initializing CUDA; `with_index` completes it at first use.
 
     ``None`` means the current accelerator (CUDA, else `torch.accelerator`'s where torch has it)
-    when one is present, and the CPU otherwise. A device without an index gets the current one,
-    so the result names one device exactly. This asks for the current device, which initializes
-    CUDA: `check_device` alone does not.
-
-    Raises:
-        TypeError: ``device`` is not a string, `torch.device`, int or ``None``.
-        ValueError: ``device`` is malformed, does not exist or is not available.
-    """
-    return with_index(check_device(device))
-
-
-def check_device(device: str | torch.device | int | None) -> torch.device:
-    """``device`` checked as `resolve_device` checks it, without initializing CUDA.
-
-    It counts devices (which torch does without initializing CUDA; through NVML where it can) and
-    never asks for the current one: a CUDA or other accelerator device without an index stays
-    without one, for `with_index` to complete when the device is first used. Fork-based
-    launchers (Lightning's ``ddp_fork``, notebooks) refuse to start once CUDA is initialized.
+    when one is present, and the CPU otherwise. It counts devices (which torch does without
+    initializing CUDA; through NVML where it can) and never asks for the current one: a CUDA or
+    other accelerator device without an index stays without one, for `with_index` to complete
+    when the device is first used. Fork-based launchers (Lightning's ``ddp_fork``, notebooks)
+    refuse to start once CUDA is initialized.
 
     Raises:
         TypeError: ``device`` is not a string, `torch.device`, int or ``None``.

@@ -6,18 +6,18 @@ import contextlib
 import dataclasses
 import inspect
 import multiprocessing
-import sys
 import threading
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from prefetchx import _engine
+from prefetchx import _engine, _hooks, _options
 from prefetchx._iterator import Epoch, PrefetchIterator, loop_calls
+from prefetchx._options import PrefetchOptions
 from prefetchx._pipeline import Pipeline
 from prefetchx._producer import settle
 from prefetchx._resume import (
@@ -86,37 +86,16 @@ class DataLoaderX(DataLoader[T_co]):
     Args:
         dataset: The dataset, as `DataLoader`'s.
         *args: Positional `DataLoader` arguments after ``dataset``.
-        max_prefetch: Batches the background thread keeps ready. ``0`` runs no thread: batches
-            are produced in the caller's thread as by `DataLoader`; with a CUDA target they
-            are pinned there too, unless ``pin_memory=True`` gives that to DataLoader's pin
-            thread.
-        device: Where batches go: ``None`` for the current accelerator if there is one, else
-            the CPU (no transfer); or a device such as ``"cuda:1"``. Checked when the loader is
-            built, without initializing CUDA (fork-based launchers need that); a device without
-            an index takes the current device at the first ``iter()`` and keeps it for the
-            loader's life: under torch.distributed call ``torch.cuda.set_device(local_rank)``
-            before the first ``iter()``, or name the rank's device.
-        mean: Per-channel means of the input, in its units as collated (0-255 for uint8
-            images), applied on dim 1 of an ``N, C, ...`` input. With ``std``.
-        std: Per-channel standard deviations; ``(x - mean) / std``.
-        dtype: Floating dtype of the input after normalization; float32 when ``mean``/``std``
-            are given.
-        channels_last: Return a 4-D input in channels_last memory format.
-        input_key: Which element of a batch is the input: an index of a tuple or list batch, a
-            key of a dict batch, a field name; a bare tensor batch is the input.
-        device_prefetch: Batches in flight on the device besides the caller's; each costs its
-            size in device memory. ``0`` copies on demand. Copied ahead: the batches the thread
-            has ready, or while the loop is faster without it, the batches ``next()`` makes
-            after handing one over; with ``max_prefetch=0`` none is made ahead.
-        non_blocking: Asynchronous copies (CUDA, from pinned memory). With a CUDA target the
-            thread stage pins every CPU tensor leaf not pinned yet, so ``pin_memory`` keeps
-            DataLoader's default; an explicit ``pin_memory=False`` turns that off and warns.
-        **kwargs: Keyword `DataLoader` arguments.
+        **kwargs: Keyword `DataLoader` arguments, and the prefetch arguments: ``max_prefetch``,
+            ``device``, ``mean``, ``std``, ``dtype``, ``channels_last``, ``input_key``,
+            ``device_prefetch`` and ``non_blocking``. ``help(DataLoaderX)`` shows what each
+            does, as does the Configuration page.
 
-    All arguments after ``*args`` are keyword-only and stored as same-named attributes.
+    The prefetch arguments are keyword-only and stored as same-named attributes.
 
     Raises:
-        TypeError: An argument has the wrong type.
+        TypeError: An argument has the wrong type, or is none of its arguments (the message
+            names the closest one).
         ValueError: An argument has a bad value, or ``device`` does not exist here.
 
     Examples:
@@ -125,44 +104,27 @@ class DataLoaderX(DataLoader[T_co]):
         [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     """
 
-    def __init__(
-        self,
-        dataset: Dataset[T_co],
-        *args: Any,
-        max_prefetch: int = 2,
-        device: str | torch.device | int | None = None,
-        mean: Sequence[float] | None = None,
-        std: Sequence[float] | None = None,
-        dtype: torch.dtype | None = None,
-        channels_last: bool = False,
-        input_key: int | str = 0,
-        device_prefetch: int = 1,
-        non_blocking: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        # Checked before DataLoader builds anything. Every argument is stored under its own name
-        # because frameworks (Lightning) rebuild a loader from its __init__ signature and
-        # attributes; the checked and resolved forms live in the pipeline.
-        self._pipeline = Pipeline(
-            max_prefetch=max_prefetch,
-            device=device,
-            mean=mean,
-            std=std,
-            dtype=dtype,
-            channels_last=channels_last,
-            input_key=input_key,
-            device_prefetch=device_prefetch,
-            non_blocking=non_blocking,
-        )
-        self.max_prefetch = max_prefetch
-        self.device = device
-        self.mean = mean
-        self.std = std
-        self.dtype = dtype
-        self.channels_last = channels_last
-        self.input_key = input_key
-        self.device_prefetch = device_prefetch
-        self.non_blocking = non_blocking
+    # The prefetch arguments, each stored under its own name (see __init__); their names,
+    # defaults and docs are `PrefetchOptions`' fields.
+    max_prefetch: int
+    device: str | torch.device | int | None
+    mean: Sequence[float] | None
+    std: Sequence[float] | None
+    dtype: torch.dtype | None
+    channels_last: bool
+    input_key: int | str
+    device_prefetch: int
+    non_blocking: bool
+
+    def __init__(self, dataset: Dataset[T_co], *args: Any, **kwargs: Any) -> None:
+        # Checked before DataLoader builds anything. Every prefetch argument is stored under its
+        # own name because frameworks (Lightning) rebuild a loader from its __init__ signature
+        # and attributes; the checked and resolved forms live in the options and the pipeline.
+        given, kwargs = _options.split(type(self).__name__, kwargs, _DATALOADER_ARGUMENTS)
+        self._options = PrefetchOptions(**given)
+        for name, value in self._options.arguments().items():
+            setattr(self, name, value)
+        self._pipeline = Pipeline(self._options)
         self._latest: Epoch | None = None
         self._resume: Saved | None = None
         self._live: weakref.WeakSet[PrefetchIterator[Any]] = weakref.WeakSet()
@@ -299,7 +261,7 @@ class DataLoaderX(DataLoader[T_co]):
         always (each batch comes with its worker's note), without them for a dataset that may
         have a state (`_resume_in_process` drops it if it has none)."""
         # The stages run at most this far ahead of the batch the loop has.
-        keep = self._pipeline.max_prefetch + self._pipeline.device_prefetch + 64
+        keep = self._options.max_prefetch + self._options.device_prefetch + 64
         if self.num_workers > 0:
             return DatasetSnapshots(keep)
         if not is_iterable(self) and not has_own_state(self.dataset):
@@ -500,37 +462,29 @@ class DataLoaderX(DataLoader[T_co]):
             self.collate_fn.mixup_enabled = value
 
     @property
-    def _is_accelerate_prepared(self) -> bool:
-        """accelerate's mark of a loader it prepared, read first whenever it prepares one.
-
-        Its ``prepare()`` rebuilds every other loader as its own class over a plain
-        `DataLoader`, which would drop both stages: say so, at once, with the fix.
-        """
-        prepared = bool(self.__dict__.get("_accelerate_prepared", False))
-        if not prepared and not getattr(accelerate_preparing, "active", False):
-            warnings.warn(ACCELERATE_DROPS_STAGES, stacklevel=_outside_accelerate())
-        return prepared
-
-    @_is_accelerate_prepared.setter
-    def _is_accelerate_prepared(self, value: bool) -> None:
-        self.__dict__["_accelerate_prepared"] = value
-
-    @property
     def multiprocessing_context(self) -> Any:
         """DataLoader's ``multiprocessing_context``.
 
-        accelerate's ``skip_first_batches`` (``accelerator.skip_first_batches`` too) reads it
-        when it rebuilds this loader, or accelerate's loader around it, as its own class over a
-        new plain `DataLoader`, which drops both stages; nothing on the loader can carry them
-        across, so it says so at once, with the fix.
+        A framework that rebuilds this loader as a plain `DataLoader` reads it with DataLoader's
+        other arguments, and nothing in a training loop does: prefetchx's integrations are told
+        of each read, to say at once that the rebuilt loader has neither stage.
         """
-        if _read_by_accelerates_skip() and not getattr(accelerate_preparing, "active", False):
-            warnings.warn(ACCELERATE_SKIP_DROPS_STAGES, stacklevel=_outside_accelerate())
+        _hooks.read(self, "multiprocessing_context")
         return DataLoader.multiprocessing_context.fget(self)  # type: ignore[attr-defined]
 
     @multiprocessing_context.setter
     def multiprocessing_context(self, value: Any) -> None:
         DataLoader.multiprocessing_context.fset(self, value)  # type: ignore[attr-defined]
+
+    if not TYPE_CHECKING:  # a type checker would take every name as an attribute of the loader
+
+        def __getattr__(self, name: str) -> Any:
+            # Only for names not found otherwise (DataLoader has no __getattr__): a framework
+            # asking for a mark of its own, such as "prepared already". The integrations are
+            # told; the loader has no such attribute, as a DataLoader would not.
+            if not name.startswith("__"):
+                _hooks.read(self, name)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __enter__(self) -> DataLoaderX[T_co]:
         return self
@@ -549,27 +503,11 @@ class DataLoaderX(DataLoader[T_co]):
         self.__dict__["_live"] = weakref.WeakSet()
 
 
+_DATALOADER_ARGUMENTS = frozenset(inspect.signature(DataLoader.__init__).parameters) - {"self"}
+"""The names DataLoader's own ``__init__`` takes, in the installed torch."""
+
 _handover = threading.local()
 """``(loader, recorder)`` while that loader's DataLoader makes an iterator on this thread."""
-
-accelerate_preparing = threading.local()
-"""``active`` while `prefetchx.accelerate` has accelerate prepare or skip into loaders here."""
-
-ACCELERATE_DROPS_STAGES = (
-    "prefetchx: accelerate's prepare() rebuilds this DataLoaderX as its own loader over a plain "
-    "DataLoader: the prefetch thread, the device stage and mean/std/dtype/channels_last are "
-    "dropped, so batches come unnormalized. Use prefetchx.accelerate.prepare(accelerator, ...) "
-    "instead of accelerator.prepare(...): it prepares the same way and keeps both stages."
-)
-
-ACCELERATE_SKIP_DROPS_STAGES = (
-    "prefetchx: accelerate's skip_first_batches() (accelerator.skip_first_batches() calls it) "
-    "rebuilds this loader over a new plain DataLoader: the prefetch thread, the device stage and "
-    "mean/std/dtype/channels_last are dropped from the loader it returns, so its batches come "
-    "unnormalized. Use prefetchx.accelerate.skip_first_batches(loader, num_batches) instead: it "
-    "skips the same way and keeps both stages (the Hugging Face Trainer calls accelerate's: "
-    "transformers.trainer.skip_first_batches = prefetchx.accelerate.skip_first_batches)."
-)
 
 
 @contextlib.contextmanager
@@ -586,57 +524,6 @@ def _handing(loader: DataLoaderX[Any], recorder: IndexRecorder | None) -> Iterat
         _handover.pair = previous
 
 
-PREFETCH_DEFAULTS: dict[str, Any] = {
-    "max_prefetch": 2,
-    "device": None,
-    "mean": None,
-    "std": None,
-    "dtype": None,
-    "channels_last": False,
-    "input_key": 0,
-    "device_prefetch": 1,
-    "non_blocking": True,
-}
-
-
-def _outside_accelerate() -> int:
-    """The stack level of the first caller outside accelerate, seen from a property getter.
-
-    Attribute forwarding (accelerate's loaders and `Prefetcher` forward what they lack to the
-    loader inside) is not a caller.
-    """
-    frame, level = sys._getframe(2), 2
-    while frame.f_back is not None:
-        forwarding = frame.f_code.co_name == "__getattr__"
-        if not forwarding and frame.f_globals.get("__name__", "").partition(".")[0] != "accelerate":
-            break
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _read_by_accelerates_skip() -> bool:
-    """Whether a property getter is read by accelerate's ``skip_first_batches``, directly or
-    through attribute forwarding (accelerate's loaders', `Prefetcher`'s ``__getattr__``)."""
-    frame = sys._getframe(2)
-    # It reads DataLoader's arguments in a dict comprehension, its own frame before Python 3.12.
-    while frame.f_code.co_name in ("__getattr__", "<dictcomp>") and frame.f_back is not None:
-        frame = frame.f_back
-    return (
-        frame.f_code.co_name == "skip_first_batches"
-        and frame.f_globals.get("__name__") == "accelerate.data_loader"
-    )
-
-
-def _signature() -> inspect.Signature:
-    """DataLoader's own signature with the prefetch arguments appended as keyword-only."""
-    base = inspect.signature(DataLoader.__init__)
-    ours = [
-        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
-        for name, default in PREFETCH_DEFAULTS.items()
-    ]
-    return base.replace(parameters=[*base.parameters.values(), *ours])
-
-
 @contextlib.contextmanager
 def _beginning(epoch: Epoch, building: contextlib.AbstractContextManager[None]) -> Iterator[None]:
     """Around DataLoader making or resetting its iterator for ``epoch``, inside ``building``.
@@ -651,16 +538,6 @@ def _beginning(epoch: Epoch, building: contextlib.AbstractContextManager[None]) 
     except BaseException:
         epoch.tally.ended = True
         raise
-
-
-@contextlib.contextmanager
-def _keeping(generator: torch.Generator) -> Iterator[None]:
-    """Put ``generator`` back as it was, whatever is drawn from it inside."""
-    state = generator.get_state()
-    try:
-        yield
-    finally:
-        generator.set_state(state)
 
 
 def _refuses_pinning(dataset: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -682,4 +559,5 @@ def _refuses_pinning(dataset: object, args: tuple[Any, ...], kwargs: dict[str, A
 # DataLoader's arguments differ between torch versions; forwarding *args/**kwargs keeps every one
 # of them, and this signature shows their real names and defaults to inspect(), IDEs and
 # frameworks that rebuild loaders.
-DataLoaderX.__init__.__signature__ = _signature()  # type: ignore[attr-defined]
+DataLoaderX.__init__.__signature__ = _options.signature(DataLoader.__init__)  # type: ignore[attr-defined]
+DataLoaderX.__doc__ = _options.document(DataLoaderX.__doc__)

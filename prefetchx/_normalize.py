@@ -9,6 +9,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from prefetchx import _caller
+
 
 class Normalize:
     """What to do to the input tensor of a batch, checked once at construction.
@@ -34,7 +36,10 @@ class Normalize:
             reciprocal is not finite, in the dtype the arithmetic runs in.
 
     Warns:
-        UserWarning: A negative ``std``: legal (it flips the channel's sign), rarely meant.
+        UserWarning: A negative ``std``: legal (it flips the channel's sign), rarely meant. And
+            once, at the first uint8 input, constants that are all at most 1 (but for mean 0 and
+            std 1, which change nothing): they are on a 0-1 scale (torchvision's), which uint8
+            input (0-255) cannot have.
     """
 
     def __init__(
@@ -75,11 +80,21 @@ class Normalize:
                 f"`std` is negative on channel {channel}, {self.std[channel]}: it flips the sign "
                 "of that channel's output; a standard deviation is positive.",
                 UserWarning,
-                stacklevel=4,  # the DataLoaderX(...) or Prefetcher(...) call, through Pipeline
+                # The DataLoaderX(...) or Prefetcher(...) call, through PrefetchOptions' __init__
+                # and __post_init__.
+                stacklevel=5,
             )
         if not isinstance(channels_last, bool):
             raise TypeError(f"`channels_last` must be a bool, got {channels_last!r}.")
         self.channels_last = channels_last
+        # All at most 1: constants for input in 0-1, which uint8 input (0-255) cannot be. Mean 0
+        # and std 1 leave values as they are, in any units: they assume no scale.
+        self._unit_scale = (
+            self.mean is not None
+            and self.std is not None
+            and max(*self.mean, *self.std) <= 1
+            and not (set(self.mean) == {0.0} and set(self.std) == {1.0})
+        )
         self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
@@ -130,6 +145,9 @@ class Normalize:
                 f"{tuple(x.shape)}; channels are dim 1)."
             )
         assert self.dtype is not None  # set with mean in __init__
+        if self._unit_scale and x.dtype == torch.uint8:
+            self._unit_scale = False  # once: the first uint8 input says it
+            _warn_unit_scale(self.mean, self.std, x.dtype)  # type: ignore[arg-type]  # set with mean
         work = _work_dtype(self.dtype)
         mean, std = self._on(x)
         if x.dtype == torch.bool or torch.promote_types(x.dtype, work) != work:
@@ -157,6 +175,20 @@ class Normalize:
     def __getstate__(self) -> dict[str, object]:
         # A copy makes its own constants where it is used: device tensors do not travel.
         return {**self.__dict__, "_constants": {}}
+
+
+def _warn_unit_scale(mean: tuple[float, ...], std: tuple[float, ...], dtype: torch.dtype) -> None:
+    """Say that 0-1 constants meet 0-255 input, what that gives, and the constants meant."""
+    reach = max(max(abs(0 - m), abs(255 - m)) / abs(s) for m, s in zip(mean, std, strict=True) if s)
+    _caller.warn(
+        f"prefetchx: `mean`={mean} and `std`={std} are on a 0-1 scale, but the input is {dtype}, "
+        f"whose units are 0-255: the normalized values reach {reach:.0f}. Multiply mean and std "
+        f"by 255 (mean={_times_255(mean)}, std={_times_255(std)}), or pass float input in 0-1."
+    )
+
+
+def _times_255(values: tuple[float, ...]) -> tuple[float, ...]:
+    return tuple(round(v * 255, 6) for v in values)
 
 
 def _channels(name: str, values: Sequence[float] | None) -> tuple[float, ...] | None:

@@ -1,19 +1,18 @@
-"""The prefetch arguments, checked, and the two stages they build over a source iterator."""
+"""The two prefetch stages, built from the checked options over a source iterator."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from prefetchx._batch import map_input, map_tensors
-from prefetchx._checks import check_bool, check_input_key, check_int
 from prefetchx._choose import Decision
-from prefetchx._device import Copies, CudaStreams, check_device, with_index
+from prefetchx._device import Copies, CudaStreams, with_index
 from prefetchx._device_stage import DeviceStage
-from prefetchx._normalize import Normalize
+from prefetchx._options import PrefetchOptions
 from prefetchx._stats import EpochStats
 from prefetchx._thread_stage import ThreadStage
 
@@ -24,33 +23,18 @@ _RESOLVING = threading.Lock()
 
 
 class Pipeline:
-    """The prefetch arguments, checked, and the stages they build over one source iterator.
+    """The stages the options build over one source iterator.
 
     One per loader. It holds no epoch: every iterator gets its own stages from `build`. It makes
-    the target's side stream once, the first time a device stage needs it. ``device`` is checked
-    here without initializing CUDA; `target` completes it with the current index at the first
-    `build` (the first ``iter()``), once for the pipeline's life.
+    the target's side stream once, the first time a device stage needs it. The options checked
+    ``device`` without initializing CUDA; `target` completes it with the current index at the
+    first `build` (the first ``iter()``), once for the pipeline's life.
     """
 
-    def __init__(
-        self,
-        *,
-        max_prefetch: int,
-        device: str | torch.device | int | None,
-        mean: Sequence[float] | None,
-        std: Sequence[float] | None,
-        dtype: torch.dtype | None,
-        channels_last: bool,
-        input_key: int | str,
-        device_prefetch: int,
-        non_blocking: bool,
-    ) -> None:
-        self.max_prefetch = check_int("max_prefetch", max_prefetch, minimum=0)
-        self.input_key = check_input_key(input_key)
-        self.device_prefetch = check_int("device_prefetch", device_prefetch, minimum=0)
-        self.non_blocking = check_bool("non_blocking", non_blocking)
-        self.normalize = Normalize(mean, std, dtype, channels_last)
-        self.device = check_device(device)  # its index may be None: see target
+    def __init__(self, options: PrefetchOptions) -> None:
+        self.options = options
+        self.normalize = options.normalize
+        self.device = options.checked_device  # its index may be None: see target
         self._target: torch.device | None = None
         self.pin_host = True
         """Pin host leaves in the thread stage before their copy to a CUDA device (see
@@ -89,7 +73,7 @@ class Pipeline:
                 source = map(self._normalize_input, source)
             thread = ThreadStage(
                 source,
-                self.max_prefetch,
+                self.options.max_prefetch,
                 reapable=reapable,
                 limit=limit,
                 produced=stats.produce.add,
@@ -104,7 +88,7 @@ class Pipeline:
         # prefetchers of apex and timm do.
         thread = ThreadStage(
             source,
-            self.max_prefetch,
+            self.options.max_prefetch,
             device=self.target,
             reapable=reapable,
             limit=limit,
@@ -117,15 +101,15 @@ class Pipeline:
             copies=streams if streams is not None else Copies(self.target),
             streams=streams,
             normalize=self.normalize,
-            input_key=self.input_key,
-            device_prefetch=self.device_prefetch,
-            non_blocking=self.non_blocking,
+            input_key=self.options.input_key,
+            device_prefetch=self.options.device_prefetch,
+            non_blocking=self.options.non_blocking,
             stats=stats,
         )
         return thread, device
 
     def _normalize_input(self, batch: Any) -> Any:
-        return map_input(batch, self.input_key, self.normalize)
+        return map_input(batch, self.options.input_key, self.normalize)
 
     def _pin(self, batch: Any) -> Any:
         """``batch`` with every CPU tensor leaf in page-locked memory.

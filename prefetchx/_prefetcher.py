@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import sys
-import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
-import torch
 from torch.utils.data import DataLoader
 
-from prefetchx import _engine
+from prefetchx import _engine, _hooks, _options
 from prefetchx._iterator import Epoch, PrefetchIterator, length_of, loop_calls
-from prefetchx._loader import (
-    ACCELERATE_SKIP_DROPS_STAGES,
-    PREFETCH_DEFAULTS,
-    DataLoaderX,
-    _outside_accelerate,
-    _read_by_accelerates_skip,
-    accelerate_preparing,
-)
+from prefetchx._options import PrefetchOptions
 from prefetchx._pipeline import Pipeline
 from prefetchx._producer import settle
 from prefetchx._stats import EpochStats
@@ -57,20 +47,13 @@ class Prefetcher(Generic[T]):
 
     Args:
         iterable: Where batches come from; iterated once per ``iter()``.
-        max_prefetch: Batches the background thread keeps ready; ``0`` runs no thread.
-        device: Where batches go: ``None`` for the current accelerator if there is one (for
-            accelerate's loader: where accelerate puts them).
-        mean: Per-channel means of the input, in its units as collated.
-        std: Per-channel standard deviations; ``(x - mean) / std``.
-        dtype: Floating dtype of the input after normalization.
-        channels_last: Return a 4-D input in channels_last memory format.
-        input_key: Which element of a batch is the input.
-        device_prefetch: Batches in flight on the device besides the caller's (none is made
-            ahead with ``max_prefetch=0``).
-        non_blocking: Asynchronous copies (CUDA, from pinned memory).
+        **options: The prefetch arguments, keyword-only, as `DataLoaderX`'s (``help()`` shows
+            them). For accelerate's loader, ``device=None`` means where accelerate puts
+            batches; with ``max_prefetch=0`` no batch is made ahead for the device.
 
     Raises:
-        TypeError: An argument has the wrong type.
+        TypeError: An argument has the wrong type, or is none of its arguments (the message
+            names the closest one).
         ValueError: An argument has a bad value, or ``device`` does not exist here.
 
     Examples:
@@ -80,38 +63,24 @@ class Prefetcher(Generic[T]):
         ([[0, 1, 2, 3], [4, 5]], 2, 4)
     """
 
-    def __init__(
-        self,
-        iterable: Iterable[T],
-        *,
-        max_prefetch: int = 2,
-        device: str | torch.device | int | None = None,
-        mean: Sequence[float] | None = None,
-        std: Sequence[float] | None = None,
-        dtype: torch.dtype | None = None,
-        channels_last: bool = False,
-        input_key: int | str = 0,
-        device_prefetch: int = 1,
-        non_blocking: bool = True,
-    ) -> None:
+    def __init__(self, iterable: Iterable[T], **options: Any) -> None:
         self.iterable = iterable
         self._latest: Epoch | None = None
         self._live: weakref.WeakSet[PrefetchIterator[T]] = weakref.WeakSet()
-        stages = {name: value for name, value in locals().items() if name in PREFETCH_DEFAULTS}
-        self._stages = stages
-        """The stage arguments, for a copy over another iterable (a loader skipped into)."""
-        self._pipeline = Pipeline(**stages)
-        self._accelerates: Any = None
-        """accelerate's loader, copied, with the stages beneath it; None for any other iterable."""
-        if _is_accelerates(iterable):
-            from prefetchx.accelerate import _copy_with_stages
-
-            self._accelerates = _copy_with_stages(iterable, stages)
+        given, _ = _options.split(type(self).__name__, options)
+        self._options = PrefetchOptions(**given)
+        """The checked options, kept also for a copy over another iterable (a loader skipped
+        into)."""
+        self._pipeline = Pipeline(self._options)
+        self._beneath = _hooks.adapt(iterable, self._options)
+        """A framework's loader that must iterate itself (accelerate's, which looks ahead to
+        know where the epoch ends), copied with the stages beneath it by an integration; None
+        for any other iterable."""
 
     def __iter__(self) -> Iterator[T]:
-        if self._accelerates is not None:
-            # accelerate's own iteration, in this thread; the stages run beneath it.
-            return iter(self._accelerates)
+        if self._beneath is not None:
+            # The framework's own iteration, in this thread; the stages run beneath it.
+            return iter(self._beneath.outer)
         if _keeps_one_iterator(self.iterable):
             # iter() will reset the iterator our earlier iterators' threads may still be in.
             for earlier in list(self._live):
@@ -140,36 +109,25 @@ class Prefetcher(Generic[T]):
     def __getattr__(self, name: str) -> Any:
         # Only for names not found otherwise: what frameworks read from a loader (its dataset,
         # sampler, batch size, set_epoch, accelerate's end-of-data state) is the loader's.
-        wrapped = self.__dict__.get("_accelerates")
-        if wrapped is None:
-            wrapped = self.__dict__.get("iterable")
+        beneath = self.__dict__.get("_beneath")
+        wrapped = beneath.outer if beneath is not None else self.__dict__.get("iterable")
         if name.startswith("_") or wrapped is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        if (
-            name == "multiprocessing_context"
-            # A DataLoaderX says so itself, also the one beneath accelerate's loader.
-            and not isinstance(wrapped, DataLoaderX)
-            and self.__dict__.get("_accelerates") is None
-            and _read_by_accelerates_skip()
-            and not getattr(accelerate_preparing, "active", False)
-        ):
-            # accelerate's skip_first_batches rebuilds what it is given as a plain DataLoader
-            # from the attributes read here: the stages cannot come along.
-            warnings.warn(ACCELERATE_SKIP_DROPS_STAGES, stacklevel=_outside_accelerate())
+        _hooks.read(self, name)  # a framework may be rebuilding the loader from what it reads
         return getattr(wrapped, name)
 
     @property
     def stats(self) -> EpochStats:
         """The stall meter of the epoch started last (by ``iter()``), running or not."""
-        if self._accelerates is not None:
-            return self._accelerates.base_dataloader.stats  # type: ignore[no-any-return]
+        if self._beneath is not None:
+            return self._beneath.loader.stats  # type: ignore[no-any-return]
         return self._latest.stats if self._latest is not None else EpochStats()
 
     def close(self) -> None:
         """Stop every iterator of this Prefetcher still running, waiting for their threads
         (bounded), and for those of iterators dropped earlier. Idempotent."""
-        if self._accelerates is not None:
-            self._accelerates.base_dataloader.close()
+        if self._beneath is not None:
+            self._beneath.loader.close()
         for iterator in list(self._live):
             iterator.close()
         settle(_engine.JOIN_TIMEOUT)
@@ -188,9 +146,5 @@ def _keeps_one_iterator(iterable: Any) -> bool:
     )
 
 
-def _is_accelerates(iterable: Any) -> bool:
-    """Whether ``iterable`` is a loader accelerate prepared (without importing accelerate)."""
-    module = sys.modules.get("accelerate.data_loader")
-    adapter = getattr(module, "DataLoaderAdapter", None)
-    # type(), not isinstance(): accelerate's loaders report the class of the DataLoader inside.
-    return adapter is not None and issubclass(type(iterable), adapter)
+Prefetcher.__init__.__signature__ = _options.signature(Prefetcher.__init__)  # type: ignore[attr-defined]
+Prefetcher.__doc__ = _options.document(Prefetcher.__doc__)

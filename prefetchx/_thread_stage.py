@@ -9,7 +9,6 @@ the loop's measured pace (`prefetchx._choose`), and applied here with `ThreadSta
 from __future__ import annotations
 
 import sys
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
@@ -311,11 +310,6 @@ class ThreadStage(Iterator[T], Generic[T]):
         self.abandon()
         if self._finalizer is not None:
             self._finalizer()
-
-    @property
-    def thread(self) -> threading.Thread | None:
-        """The background thread, or ``None`` before the first item and with ``max_prefetch=0``."""
-        return self._producer
 
     @property
     def inside_source(self) -> bool:

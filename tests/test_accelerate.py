@@ -319,6 +319,26 @@ def test_accelerators_skip_first_batches_warns_at_once_with_the_fix(path: str) -
     assert not any(normalized for _, normalized in got)  # without the stages, as it warned
 
 
+def test_the_skip_warning_survives_a_rename_inside_accelerate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The function accelerate exports is recognized as itself, not by its name or its module:
+    # here it is the same code, renamed, as a refactor inside accelerate would leave it.
+    exported = accelerate.skip_first_batches
+    code = exported.__code__.replace(co_name="_skip_first_batches_v2")
+    renamed = type(exported)(code, exported.__globals__, "_skip_first_batches_v2")
+    monkeypatch.setattr(accelerate, "skip_first_batches", renamed)
+    loader = DataLoaderX(_images(), batch_size=4, **STAGES)
+    fix = r"prefetchx\.accelerate\.skip_first_batches\(loader, num_batches\)"
+    with pytest.warns(UserWarning, match=fix) as seen:
+        skipped = accelerate.skip_first_batches(loader, 3)
+    assert [Path(w.filename).name for w in seen] == [Path(__file__).name]
+    assert len(skipped) == 7
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert loader.multiprocessing_context is None  # read outside accelerate: no warning
+
+
 # --- the Hugging Face Trainer --------------------------------------------------------------------
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the model is built here

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import collections
 import itertools
 import json
@@ -670,6 +671,14 @@ def test_work_times_each_call() -> None:
     nothing = Work("python", 0)
     nothing()
     assert nothing.calls == []  # no work: not even a clock read
+
+
+def test_the_jpeg_workload_without_pillow_names_the_extra_that_brings_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "PIL", None)  # makes `import PIL` fail
+    assert cli._jpeg(argparse.Namespace(max_prefetch=2)) == []
+    assert 'skipped: needs pillow (pip install "prefetchx[bench]")' in capsys.readouterr().out
 
 
 def test_plot_without_matplotlib_says_how_to_get_it(

@@ -11,8 +11,15 @@ import pytest
 import torch
 
 from prefetchx import DataLoaderX, Prefetcher, ThreadStage
-from prefetchx._device import resolve_device
+from prefetchx._options import PrefetchOptions
+from prefetchx._pipeline import Pipeline
 from tests.helpers import repo_env, run_python
+
+
+def resolve_device(device: Any) -> torch.device:
+    """The device a loader built with ``device`` sends batches to: checked when it is built,
+    completed with the current index at its first ``iter()``."""
+    return Pipeline(PrefetchOptions(device=device)).target
 
 
 def test_cpu() -> None:

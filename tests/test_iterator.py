@@ -401,7 +401,7 @@ def test_a_worker_that_never_answers_is_released_as_dataloader_releases_it(
     assert [int(next(it)), int(next(it))] == [0, 1]
     workers = new_children(before)
     assert len(workers) == 2
-    assert wait_until(lambda: it._stage.thread is not None and it._stage.thread.in_source)  # type: ignore[union-attr]
+    assert wait_until(lambda: it._thread.inside_source)
     start = time.monotonic()
     if how == "break":
         del it

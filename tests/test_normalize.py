@@ -398,3 +398,53 @@ def test_a_negative_std_warns_naming_std_and_the_value() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Normalize(MEAN, STD)
+
+
+TORCHVISION_MEAN = (0.485, 0.456, 0.406)  # torchvision's constants, for float input in 0-1
+TORCHVISION_STD = (0.229, 0.224, 0.225)
+
+
+def test_unit_constants_on_uint8_input_warn_once_per_loader_with_the_fix() -> None:
+    from torch.utils.data import DataLoader
+
+    from prefetchx import DataLoaderX
+
+    images = list(_images(n=4))
+    plain = [x.tolist() for x in DataLoader(images, batch_size=2)]  # DataLoader: no normalization
+    loaders = [
+        DataLoaderX(images, batch_size=2, mean=TORCHVISION_MEAN, std=TORCHVISION_STD)
+        for _ in range(2)
+    ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # each warning raised is recorded: "once" is ours
+        outs = [list(loader) for loader in (*loaders, *loaders)]  # two epochs each
+    assert len(caught) == 2  # one a loader
+    assert [w.filename for w in caught] == [__file__] * 2  # the loop's: its first batch
+    message = str(caught[0].message)
+    for words in ("`mean`", "`std`", "torch.uint8", "0-255", "Multiply", "by 255", "0-1"):
+        assert words in message
+    assert "123.675" in message  # the constants it means, in the input's units
+    assert max(float(x.max()) for x in outs[0]) > 1100  # what the loop would have trained on
+    assert [len(out) for out in outs] == [len(plain)] * 4
+
+
+@pytest.mark.parametrize(
+    ("x", "mean", "std"),
+    [
+        (
+            _images(),
+            tuple(255 * m for m in TORCHVISION_MEAN),
+            tuple(255 * s for s in TORCHVISION_STD),
+        ),
+        (_images().float() / 255, TORCHVISION_MEAN, TORCHVISION_STD),
+        (_images().half() / 255, TORCHVISION_MEAN, TORCHVISION_STD),
+        (_images(), (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)),  # values as they are, in any units
+    ],
+)
+def test_constants_on_the_inputs_scale_do_not_warn(
+    x: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]
+) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = Normalize(mean, std)(x)
+    assert float(out.abs().max()) < 3 or torch.equal(out, x.float())

@@ -64,3 +64,13 @@ def test_the_classifiers_name_the_python_versions_the_suite_passed_on() -> None:
     assert project["requires-python"] == f">={passed[0]}"
     assert "Typing :: Typed" in project["classifiers"]
     assert (ROOT / "prefetchx" / "py.typed").is_file()
+
+
+def test_the_bench_extra_brings_what_the_bench_needs_and_dev_has_it_too() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert extras["bench"] == ["pillow>=10", "matplotlib>=3.7"]  # the JPEG workload, --plot
+    assert set(extras["bench"]) <= set(extras["dev"])
+    assert set(extras["plot"]) <= set(extras["bench"])

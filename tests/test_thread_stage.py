@@ -23,6 +23,11 @@ class Abort(BaseException):
     """A BaseException that is not an Exception, as prefetch_generator lets slip."""
 
 
+def _threads() -> list[threading.Thread]:
+    """The stages' threads running now (the reaper, which outlives stages, is none of them)."""
+    return [t for t in threading.enumerate() if t.name == "prefetchx-thread"]
+
+
 def _gen(n: int, *, fail: BaseException | None = None) -> Iterator[object]:
     yield from range(n)
     if fail is not None:
@@ -122,7 +127,7 @@ def test_empty_source_ends_at_once() -> None:
         next(stage)
     with pytest.raises(StopIteration):
         next(stage)
-    assert stage.thread is None
+    assert _threads() == []
 
 
 @pytest.mark.parametrize("max_prefetch", [0, 1, 2, 8])
@@ -154,12 +159,10 @@ def test_nothing_runs_before_the_first_next_which_the_caller_makes() -> None:
     stage = ThreadStage(source, max_prefetch=2)
     time.sleep(0.05)
     assert source.i == 0
-    assert stage.thread is None
-    assert not [t for t in threading.enumerate() if t.name.startswith("prefetchx-")]
+    assert _threads() == []
     assert next(stage) == 0
     assert source.threads[0] == threading.current_thread().name
-    thread = stage.thread
-    assert thread is not None
+    (thread,) = _threads()
     assert thread.name == "prefetchx-thread"
     assert thread.daemon
     assert list(stage) == [1, 2, 3, 4]
@@ -172,7 +175,7 @@ def test_max_prefetch_zero_runs_no_thread() -> None:
     stage = ThreadStage(source, max_prefetch=0)
     assert list(stage) == [0, 1, 2]
     assert source.threads == [threading.current_thread().name] * 3
-    assert stage.thread is None
+    assert _threads() == []
 
 
 # --- leaving -------------------------------------------------------------------------------------
@@ -236,8 +239,7 @@ def test_dropping_never_waits_for_the_item_the_thread_is_making() -> None:
     stage = ThreadStage(source, max_prefetch=2)
     assert next(stage) == 0
     assert source.reached.wait(10)
-    thread = stage.thread
-    assert thread is not None
+    (thread,) = _threads()
     del stage  # the last reference: the finalizer runs here
     # Returned while the thread is still inside the item, which waits for the gate (30 s):
     # the drop did not wait for it.
@@ -321,7 +323,7 @@ def test_bad_max_prefetch_is_refused(value: object, exc: type[Exception]) -> Non
 def test_a_thread_that_died_without_a_last_word_is_reported_not_waited_for() -> None:
     stage = ThreadStage(iter(range(5)), max_prefetch=2)
     assert next(stage) == 0
-    producer = stage.thread
+    producer = stage._producer
     assert isinstance(producer, Producer)
     producer.stop()
     producer.join(10)
@@ -476,7 +478,7 @@ def test_a_stage_switched_off_before_its_first_item_never_starts_its_thread() ->
     stage = ThreadStage(source, max_prefetch=2)
     stage.switch(False)
     assert list(stage) == [0, 1, 2, 3, 4]
-    assert stage.thread is None
+    assert _threads() == []
     assert set(source.callers) == {"MainThread"}
 
 

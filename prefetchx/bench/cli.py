@@ -92,7 +92,7 @@ def _jpeg(args: argparse.Namespace) -> list[JpegResult]:
     try:
         import PIL  # noqa: F401
     except ImportError:
-        print("skipped: needs pillow (pip install pillow)")
+        print('skipped: needs pillow (pip install "prefetchx[bench]")')
         return []
     from prefetchx.bench.jpeg import jpeg_files, measure_jpeg
 
