@@ -74,3 +74,10 @@ def test_the_bench_extra_brings_what_the_bench_needs_and_dev_has_it_too() -> Non
     assert extras["bench"] == ["pillow>=10", "matplotlib>=3.7"]  # the JPEG workload, --plot
     assert set(extras["bench"]) <= set(extras["dev"])
     assert set(extras["plot"]) <= set(extras["bench"])
+
+
+def test_the_authors_are_the_holder_the_license_names() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (holder,) = re.findall(r"Copyright \(c\) \d{4} (.+)", (ROOT / "LICENSE").read_text())
+    assert project["authors"] == [{"name": holder}]
