@@ -774,6 +774,14 @@ def test_an_epoch_resumed_from_before_its_first_next_resumes_again_mid_epoch() -
         expected.append(batch.tolist())
         torch.rand(1)
 
+    def restored(state: dict[str, Any], rng: torch.Tensor, seed: int) -> DataLoaderX[Any]:
+        # A new process: its RNG starts elsewhere until the checkpoint restores it.
+        torch.manual_seed(seed)
+        loader = make()
+        loader.load_state_dict(state)
+        torch.set_rng_state(rng)
+        return loader
+
     torch.manual_seed(0)
     loader = make()
     it = iter(loader)
@@ -781,10 +789,7 @@ def test_an_epoch_resumed_from_before_its_first_next_resumes_again_mid_epoch() -
     rng = torch.get_rng_state()
     it.close()
 
-    torch.manual_seed(7)
-    resumed = make()
-    resumed.load_state_dict(state)
-    torch.set_rng_state(rng)
+    resumed = restored(state, rng, seed=7)
     it = iter(resumed)
     got = []
     for _ in range(2):
@@ -794,11 +799,7 @@ def test_an_epoch_resumed_from_before_its_first_next_resumes_again_mid_epoch() -
     rng = torch.get_rng_state()
     it.close()
 
-    torch.manual_seed(9)
-    again = make()
-    again.load_state_dict(state)
-    torch.set_rng_state(rng)
-    for batch in again:
+    for batch in restored(state, rng, seed=9):
         got.append(batch.tolist())
         torch.rand(1)
     assert got == expected
