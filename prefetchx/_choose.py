@@ -2,7 +2,7 @@
 
 A thread hides the time a batch takes to make behind the loop's step, and costs a hand-off per
 batch and the GIL and cores it shares with the step. Which wins depends on the data, the step,
-the machine and the moment. The costs are asymmetric (FIELD.md, pitfall 25): where the thread
+the machine and the moment. The costs are asymmetric: where the thread
 loses, batches are cheap (a loop with no step, microseconds of data), so running with it first
 costs little; where it wins, batches are dear, so running without it first would cost a
 millisecond or more a batch. So the thread runs from a loader's second batch, and the loop alone

@@ -32,7 +32,7 @@ is making, where its thread is inside the DataLoader iterator: joined here, befo
 returns, as DataLoader's own shutdown joins them, and never later in another thread, where a
 join racing with the caller's own join of a worker can take it for alive. A worker busy longer
 (an item of many seconds) is left to DataLoader's shutdown when the thread lets go: an exception
-or Ctrl-C in the loop never waits longer than this for it (FIELD.md, pitfall 19)."""
+or Ctrl-C in the loop never waits longer than this for it."""
 
 WARN_AFTER = 1.0
 """Seconds a wait for a stopped thread lasts before a warning says what it waits for: past the

@@ -40,11 +40,12 @@ class Producer(BackgroundGenerator):  # type: ignore[misc]  # prefetch_generator
     What it keeps of `prefetch_generator.BackgroundGenerator`: the daemon thread, its
     ``queue.Queue(max_prefetch)`` and the source in ``generator``, so that the thread holds one
     item while it waits for room, ``max_prefetch + 1`` items ahead in all, as the widely copied
-    recipe runs. What it replaces, its ``run``, for the recipe's defects (FIELD.md, pitfalls 1
-    and 2): each call of the source ends as one value in the queue, in order, an item or a
-    `Failure` for any `BaseException`, and the thread goes on after a failure as the source's
-    caller would; every wait is timed and re-checks a stop event; the warnings a call raises
-    travel with its value; and the source is released as soon as the thread ends.
+    recipe runs. What it replaces, its ``run``, for the recipe's defects (a ``put`` that waits
+    forever, a catch of `Exception` alone): each call of the source ends as one value in the
+    queue, in order, an item or a `Failure` for any `BaseException`, and the thread goes on
+    after a failure as the source's caller would; every wait is timed and re-checks a stop
+    event; the warnings a call raises travel with its value; and the source is released as soon
+    as the thread ends.
 
     Its lifecycle, driven by the consumer:
 
