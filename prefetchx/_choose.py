@@ -113,6 +113,7 @@ class Decision:
         self._spent = 0.0  # what the probes cost: their windows' time beyond the current mode
         self._backoff = 0  # probes lost in a row since the last switch, up to MAX_BACKOFF
         self._quiet = False  # no probe can come soon: long windows, counted only
+        self._last: Window | None = None  # the last window taken, for its per-batch figures
 
     @property
     def window_batches(self) -> int:
@@ -142,6 +143,7 @@ class Decision:
         """
         if window.threaded != self.wanted:
             return self.wanted
+        self._last = window
         self._elapsed += window.period * window.batches
         if self._probe is not None:
             self._probed(window.period)
@@ -155,9 +157,20 @@ class Decision:
         self._quiet = quiet
         return self.wanted
 
-    def epoch_ended(self) -> None:
-        """An epoch ended: a probe under way is dropped (its windows would span two epochs)."""
+    def epoch_ended(self, unmeasured: float = 0.0) -> None:
+        """An epoch ended: a probe under way is dropped (its windows would span two epochs), and
+        the loop's ``unmeasured`` seconds since its last window count as time it has run.
+
+        An epoch shorter than `QUIET_WINDOW` ends every long window before it is complete: its
+        time is counted here, or a loop of short epochs would never pay for a probe.
+        """
         self._probe = None
+        self._elapsed += unmeasured
+        last = self._last
+        if self._quiet and last is not None:
+            self._quiet = not self._affordable(last._replace(remaining=None), HISTORY)
+            if not self._quiet:
+                self._history.clear()  # held against windows of its own length, just before it
 
     def _affordable(self, window: Window, windows_ahead: int) -> bool:
         """Whether a probe after ``windows_ahead`` more windows keeps every probe's cost within

@@ -188,7 +188,8 @@ class Meter:
         if self._thread.ended:
             self._tally.ended = True
         if self._decision is not None:
-            self._decision.epoch_ended()
+            start = self._stretch_start  # the stretch the end cut short: the loop's time too
+            self._decision.epoch_ended(0.0 if start is None else perf_counter() - start)
 
     def _boundary(self) -> None:
         """Between two stretches, before the next batch is taken: close the one that ended

@@ -195,3 +195,26 @@ def test_probes_cost_at_most_the_budget_where_they_lose() -> None:
     assert decision.threaded
     # Measured windows double with each lost probe; between probes, long windows only count.
     assert sizes == {WINDOW << k for k in range(MAX_BACKOFF + 1)} | {QUIET_WINDOW}
+
+
+def test_short_epochs_count_their_time_at_their_end_until_a_probe_can_pay() -> None:
+    # Epochs of 40 batches of 10 ms, where a probe could cost 5 ms a batch: the first window
+    # finds no probe affordable soon, and the loop is only counted, in windows of QUIET_WINDOW
+    # batches that such an epoch never completes. Each epoch's time counts at its end; once
+    # the loop has run long enough to pay for a probe, windows are measured again.
+    first = threaded(10e-3, 5e-3, 5e-3, remaining=35)
+    decision = Decision()
+    decision.window(first)
+    assert decision.window_batches == QUIET_WINDOW
+    epochs = 0
+    while decision.window_batches == QUIET_WINDOW:
+        decision.epoch_ended(unmeasured=40 * 10e-3)
+        epochs += 1
+        assert epochs <= 3
+    assert decision.window_batches == WINDOW
+    # Uncounted, the same loop would be counted only, forever: no probe, whatever it costs.
+    uncounted = Decision()
+    uncounted.window(first)
+    for _ in range(1000):
+        uncounted.epoch_ended()
+    assert uncounted.window_batches == QUIET_WINDOW

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from conftest import leftovers
 from prefetchx import DataLoaderX, Prefetcher, _engine
+from prefetchx._choose import Decision
 from prefetchx._iterator import PrefetchIterator
 from prefetchx._meter import Meter
 from tests.helpers import (
@@ -840,3 +841,30 @@ def test_an_interrupt_while_the_meter_decides_is_raised_and_the_epoch_goes_on(
     got.extend(it)  # the loop goes on after it, as after any exception
     assert got == list(DataLoader(_FailsAt(1000, set()), batch_size=None))
     assert loader.stats.batches == 1000
+
+
+def test_an_epochs_end_hands_the_decision_the_loops_time_since_its_last_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Epochs shorter than a window: the time after the last complete window counts at the
+    # epoch's end, or a loop of short epochs never pays for a probe (tests/test_choose.py).
+    made: list[Recording] = []
+
+    class Recording(Decision):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ended: list[float] = []
+            made.append(self)
+
+        def epoch_ended(self, unmeasured: float = 0.0) -> None:
+            self.ended.append(unmeasured)
+            super().epoch_ended(unmeasured)
+
+    monkeypatch.setattr("prefetchx._pipeline.Decision", Recording)
+    loader = DataLoaderX(range(10), batch_size=None, device="cpu")
+    for _ in range(3):
+        assert list(loader) == list(range(10))
+    (decision,) = made
+    assert len(decision.ended) == 3
+    assert min(decision.ended) >= 0.0
+    assert sum(decision.ended) > 0.0
