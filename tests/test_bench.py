@@ -798,7 +798,8 @@ def test_the_plot_says_the_runs_conclusion_and_shows_the_rounds_spread() -> None
     for ax in fig.axes:
         bars = [c for c in ax.containers if getattr(c, "errorbar", None) is not None]
         assert bars, ax.get_title()  # whiskers: the lowest and highest round
-        assert {c.get_label() for c in bars} <= {"recipe", "prefetchx"}  # plain is the line
+        # plain is the line; the synthetic panel shows the warmed loader beside the new one
+        assert {c.get_label() for c in bars} <= {"recipe", "prefetchx", "warmed"}
 
 
 @needs_records
