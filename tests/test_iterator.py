@@ -495,10 +495,12 @@ def _python(code: str) -> subprocess.Popen[str]:
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_ctrl_c_while_waiting_raises_keyboard_interrupt_promptly(num_workers: int) -> None:
+    # The item takes 600 s: a child that waited for it after Ctrl-C would outlast the 60 s
+    # the test gives it (a bound ten times over, not a timing).
     child = _python(f"""
 from prefetchx import DataLoaderX
 from tests.helpers import Squares
-loader = DataLoaderX(Squares(10, delay=60), batch_size=1, num_workers={num_workers})
+loader = DataLoaderX(Squares(10, delay=600), batch_size=1, num_workers={num_workers})
 it = iter(loader)
 print("waiting", flush=True)
 next(it)
@@ -506,13 +508,10 @@ next(it)
     assert child.stdout is not None
     assert child.stdout.readline().strip() == "waiting"
     time.sleep(0.5)  # let the child block in next()
-    start = time.monotonic()
     child.send_signal(signal.SIGINT)
     _, err = child.communicate(timeout=60)
-    elapsed = time.monotonic() - start
     assert "KeyboardInterrupt" in err, err
     assert child.returncode != 0
-    assert elapsed < 5.0, f"took {elapsed:.1f} s to exit after Ctrl-C"
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
