@@ -175,7 +175,10 @@ class DataLoaderX(DataLoader[T_co]):
         iteration ends)."""
         if self.num_workers == 0:
             return super()._get_iterator()
-        self.check_worker_number_rationality()
+        # Through Any: untyped in torch 2.4's stubs and typed later, so an ignore would be an
+        # unused one on the other (mypy --strict, which a user's typed code runs over us).
+        check: Any = self.check_worker_number_rationality
+        check()
         ends = None
         if self._keeps_iterator() and is_iterable(self):
             context = self.multiprocessing_context or multiprocessing

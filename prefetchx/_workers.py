@@ -386,7 +386,10 @@ class WorkersIter(_MultiProcessingDataLoaderIter):
     """
 
     def __init__(self, loader: Any, collate_fn: TaggingCollate, worker_init_fn: WorkerInit) -> None:
-        super().__init__(_View(loader, collate_fn, worker_init_fn))
+        # Through Any: untyped in torch 2.4's stubs and typed later (see DataLoaderX's
+        # `_dataloader_iterator`).
+        base: Any = super()
+        base.__init__(_View(loader, collate_fn, worker_init_fn))
 
     def _next_index(self) -> Any:
         index = super()._next_index()  # type: ignore[no-untyped-call]  # torch's
