@@ -8,32 +8,39 @@ costs little; where it wins, batches are dear, so running without it first would
 millisecond or more a batch. So the thread runs from a loader's second batch, and the loop alone
 is tried (a *probe*) only where a probe is cheap next to the loop's time.
 
-The one figure that settles it is the loop's wall time per batch, ``next()`` and the step
-together, over windows of `WINDOW` batches. A probe runs the other mode for up to `PROBE` windows
-and holds their mean against the current mode's last `HISTORY` windows: it takes the other mode
-once that mean is below theirs by more than `Z` standard errors of the difference (the standard
-deviation of the current mode's windows standing for both), and ends, lost, as soon as the mean
-is no lower than theirs, or after `PROBE` windows. Where windows stray by 10% (normal), a mode
-5% slower than the current one is taken in about 3 probes of 100, one 10% slower in 1, and one
-30% faster in 99 (``tests/test_choose.py`` counts them); a mode as fast is taken in about 1 of
-10, which costs nothing, the two being alike. A machine busy with other work makes the windows
-stray, and the current mode stays.
+The one figure that settles it is the loop's wall time per batch, ``next()`` and the step together,
+over windows of `WINDOW` batches. A probe runs the other mode for up to `PROBE` windows and holds
+their mean against the current mode's last `HISTORY` windows: it takes the other mode once that mean
+is below theirs by more than `Z` standard errors of the difference, and ends, lost, as soon as the
+mean is no lower than theirs, or after `PROBE` windows. The standard error is Welch's, each mode's
+windows weighed by their own spread: a thread that shares the GIL with the step makes its windows
+stray far more than the loop alone makes its own, and a spread borrowed from one mode would make the
+test too strict one way and too lax the other. So a probe switches after two windows at the earliest
+(one window has no spread). Where windows stray by 10% (normal), a mode 5% slower than the current
+one is taken in about 3 probes of 100, one 10% slower in 1, and one 30% faster in 99
+(``tests/test_choose.py`` counts them); a mode as fast is taken in about 1 of 10, which costs
+nothing, the two being alike. A machine busy with other work makes the windows stray, and the
+current mode stays.
 
 What a probe costs where it loses is bounded from the figures the current mode shows:
 
 * threaded, the loop alone is slower by at most ``min(step, produce)`` a batch: the thread can
   hide no more than the shorter of the step and the making of a batch, and each of those only
   grows with a thread beside it (the GIL, the cores), so the threaded figures bound them;
-* parked, the thread has no such bound; it is taken to cost at most the whole period a batch.
+* parked, the thread has no such bound. Where it was measured before (the windows the loop ran
+  in it before it was parked, or a probe's), it costs what it cost then over the current mode,
+  a batch; a thread that shares the GIL with a loop of no work costs several times the loop's
+  period. Otherwise it is taken to cost at most the whole period a batch.
 
-Probes are paced by a ledger of what they cost: each probe window is charged what it took beyond
-the current mode's mean, and a probe starts only where its first window, at the bound above,
-keeps the charges within `BUDGET` of the loop's time, counting the time the loop has run and the
-rest of the current epoch at its pace. A probe goes on past its first window only while it is
-faster than the current mode, so it costs about one window where it loses. So a long epoch of
-cheap batches probes at once, and a short one of dear batches, where a probe would cost a visible
-share of it, does not probe at all. Each probe the current mode wins halves the share until the
-next switch, down to `BUDGET` over ``2 ** MAX_BACKOFF``: where the answer holds, looking again
+Probes are paced by a ledger of what they cost: each probe window is charged what it took beyond the
+current mode's mean, and so are the batches around a switch, which no window measures (the thread
+filling its queue, or handing over what it made), and a probe starts only where its first window, at
+the bound above, keeps the charges within `BUDGET` of the loop's time, counting the time the loop
+has run and the rest of the current epoch at its pace. A probe goes on past its first window only
+while it is faster than the current mode, so it costs about one window where it loses. So a long
+epoch of cheap batches probes at once, and a short one of dear batches, where a probe would cost a
+visible share of it, does not probe at all. Each probe the current mode wins halves the share until
+the next switch, down to `BUDGET` over ``2 ** MAX_BACKOFF``: where the answer holds, looking again
 costs ever less, and a loop that changed is still looked at again within a bounded time.
 
 `Decision` is the decision alone, fed one window at a time, with no clock and no thread, so that
@@ -46,6 +53,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from typing import NamedTuple
 
 WINDOW = 4
@@ -56,8 +64,11 @@ in fewer windows. Each probe lost in a row doubles the windows (`Decision.window
 halves the probes' share: where the answer holds, the loop is measured ever less often, which
 costs it less (a window's end runs the decision's Python)."""
 
-HISTORY = 6
-"""The current mode's last windows a probe is held against."""
+HISTORY = 4
+"""The current mode's last windows a probe is held against. A loader's first probe waits for
+them, a loop with no work in the thread's mode all the while: the fewest with which the rates
+the module states hold (``tests/test_choose.py`` counts them). With 6 they are alike; with 3, a
+mode 30% faster is missed in about 3 probes of 100, not 1."""
 
 PROBE = 4
 """Windows of the other mode a probe measures, at most."""
@@ -114,6 +125,7 @@ class Decision:
         self._backoff = 0  # probes lost in a row since the last switch, up to MAX_BACKOFF
         self._quiet = False  # no probe can come soon: long windows, counted only
         self._last: Window | None = None  # the last window taken, for its per-batch figures
+        self._other: float | None = None  # the other mode's period, from its last windows
 
     @property
     def window_batches(self) -> int:
@@ -172,6 +184,14 @@ class Decision:
             if not self._quiet:
                 self._history.clear()  # held against windows of its own length, just before it
 
+    def unmeasured(self, seconds: float, batches: int) -> None:
+        """The loop ran ``batches`` batches in ``seconds`` that no window measured (around a
+        switch): counted as the loop's time, and what it took beyond the current mode's pace
+        charged to the probes."""
+        self._elapsed += seconds
+        if self._history:
+            self._spent += max(0.0, seconds - batches * statistics.fmean(self._history))
+
     def _affordable(self, window: Window, windows_ahead: int) -> bool:
         """Whether a probe after ``windows_ahead`` more windows keeps every probe's cost within
         `BUDGET` of the loop's time (at the current pace)."""
@@ -181,7 +201,10 @@ class Decision:
                 return False
             per_batch = min(known)
         else:
-            per_batch = window.period
+            other = self._other
+            per_batch = (
+                window.period if other is None else max(window.period, other - window.period)
+            )
         batches = self._measured_batches
         horizon = self._elapsed + windows_ahead * batches * window.period
         if window.remaining is not None:
@@ -196,16 +219,18 @@ class Decision:
         history = self._history
         before, after = statistics.fmean(history), statistics.fmean(probe)
         self._spent += self._measured_batches * max(0.0, period - before)
-        error = statistics.stdev(history) * math.sqrt(1 / len(probe) + 1 / len(history))
-        if after >= before or (after >= before - Z * error and len(probe) == PROBE):
+        beyond_doubt = len(probe) >= 2 and after < before - Z * _welch(history, probe)
+        if after >= before or (not beyond_doubt and len(probe) == PROBE):
             # Lost: no faster, or not faster beyond doubt. The current mode stays.
             self._probe = None
+            self._other = after
             self._backoff = min(self._backoff + 1, MAX_BACKOFF)
             return
-        if after >= before - Z * error:
+        if not beyond_doubt:
             return  # faster so far, not yet beyond doubt: one more window
         self.threaded = not self.threaded
         self._probe = None
+        self._other = before
         self._backoff = 0
         history.clear()
         history.extend(probe)
@@ -215,6 +240,14 @@ class Decision:
             else f"the loop ran {before / after:.2f}x as fast without the thread "
             f"({_duration(after)} against {_duration(before)} a batch)"
         )
+
+
+def _welch(first: Sequence[float], second: Sequence[float]) -> float:
+    """The standard error of the difference of the two samples' means, each weighed by its own
+    spread (Welch's); both have two values at least."""
+    return math.sqrt(
+        statistics.variance(first) / len(first) + statistics.variance(second) / len(second)
+    )
 
 
 def _duration(seconds: float) -> str:

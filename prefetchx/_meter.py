@@ -206,6 +206,8 @@ class Meter:
             measured = self._measured and thread.generation == self._generation
             if decision is not None and measured and not thread.switching:
                 self._decide(decision, period, period - wait, batches)
+            elif decision is not None:
+                decision.unmeasured(now - start, batches)  # around a switch: its cost counts
             self._each = period >= TIME_EACH_ABOVE_S
         self._stretch_start = now
         if decision is not None and (thread.switching or thread.generation != self._generation):
