@@ -126,6 +126,7 @@ class Decision:
         self._quiet = False  # no probe can come soon: long windows, counted only
         self._last: Window | None = None  # the last window taken, for its per-batch figures
         self._other: float | None = None  # the other mode's period, from its last windows
+        self._switched = False  # the last window asked for the other mode: a switch under way
 
     @property
     def window_batches(self) -> int:
@@ -167,6 +168,7 @@ class Decision:
         if self._quiet and not quiet:
             self._history.clear()  # held against windows of its own length, just before it
         self._quiet = quiet
+        self._switched = self.wanted != window.threaded
         return self.wanted
 
     def epoch_ended(self, unmeasured: float = 0.0) -> None:
@@ -177,6 +179,7 @@ class Decision:
         time is counted here, or a loop of short epochs would never pay for a probe.
         """
         self._probe = None
+        self._switched = False
         self._elapsed += unmeasured
         last = self._last
         if self._quiet and last is not None:
@@ -185,11 +188,13 @@ class Decision:
                 self._history.clear()  # held against windows of its own length, just before it
 
     def unmeasured(self, seconds: float, batches: int) -> None:
-        """The loop ran ``batches`` batches in ``seconds`` that no window measured (around a
-        switch): counted as the loop's time, and what it took beyond the current mode's pace
-        charged to the probes."""
+        """The loop ran ``batches`` batches in ``seconds`` that no window measured: counted as
+        the loop's time; and where they followed a switch this decision asked for (a probe's
+        start or end, or a switch it won), what they took beyond the current mode's pace is
+        charged to the probes. The thread's start at an epoch's second batch is not a probe's:
+        every epoch pays it, probes or none."""
         self._elapsed += seconds
-        if self._history:
+        if self._switched and self._history:
             self._spent += max(0.0, seconds - batches * statistics.fmean(self._history))
 
     def _affordable(self, window: Window, windows_ahead: int) -> bool:

@@ -283,23 +283,42 @@ def test_a_parked_loop_counts_what_the_thread_cost_when_it_last_ran() -> None:
 
 
 def test_the_batches_around_a_switch_are_charged_to_the_probes() -> None:
-    # Two loops parked alike; in one, the switch's unmeasured batches cost 2 ms beyond the
-    # loop's pace: its next probe waits for the loop to have paid for them.
-    def parked(charged: float) -> Decision:
+    # Two loops alike, whose probes of the loop alone lose; in one, the batches around each
+    # probe's switches, which no window measures, cost 2 ms beyond the loop's pace: its probes
+    # come less often, as the budget pays for fewer.
+    def probes(charged: float) -> int:
         decision = Decision()
-        for _ in range(HISTORY):
-            decision.window(threaded(100 * US, 2 * US, 60 * US, remaining=None))
-        while decision.probing:
-            decision.window(alone(40 * US))
-        decision.unmeasured(3 * 40 * US + charged, 3)
-        return decision
-
-    quick, slow = parked(0.0), parked(2e-3)
-    windows = {}
-    for name, decision in (("quick", quick), ("slow", slow)):
         count = 0
-        while not decision.probing:
-            decision.window(alone(40 * US)._replace(batches=decision.window_batches))
-            count += 1
-        windows[name] = count
-    assert windows["slow"] > windows["quick"]
+        for _ in range(2000):
+            mode = decision.wanted
+            decision.window(
+                threaded(100 * US, 50 * US, 50 * US)._replace(batches=decision.window_batches)
+                if mode
+                else alone(180 * US)._replace(batches=decision.window_batches)
+            )
+            if decision.wanted != mode:  # a switch, to a probe or back from it
+                decision.unmeasured(3 * 100 * US + charged, 3)
+                count += not decision.wanted
+        return count
+
+    quick, slow = probes(0.0), probes(2e-3)
+    assert slow < quick
+
+
+def test_an_epochs_start_is_not_charged_to_the_probes() -> None:
+    # Each epoch starts its thread after the first batch, and the meter leaves the batches
+    # while its queue fills unmeasured. They cost the same with probes or without: a decision
+    # that charged them would never afford a probe in a loop of short epochs.
+    def probes_after(epochs: int, charged_start: float) -> bool:
+        decision = Decision()
+        for _ in range(epochs):
+            decision.unmeasured(3 * 10e-3 + charged_start, 3)
+            for left in range(32, -1, -WINDOW):
+                if decision.probing:
+                    return True
+                decision.window(threaded(10e-3, 5e-3, 5e-3, remaining=left))
+            decision.epoch_ended(unmeasured=0.0)
+        return decision.probing
+
+    assert probes_after(40, 0.0)
+    assert probes_after(40, 20e-3)  # a start 20 ms slower than the pace: the same
