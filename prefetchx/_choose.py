@@ -33,15 +33,16 @@ What a probe costs where it loses is bounded from the figures the current mode s
   period. Otherwise it is taken to cost at most the whole period a batch.
 
 Probes are paced by a ledger of what they cost: each probe window is charged what it took beyond the
-current mode's mean, and so are the batches around a switch, which no window measures (the thread
-filling its queue, or handing over what it made), and a probe starts only where its first window, at
-the bound above, keeps the charges within `BUDGET` of the loop's time, counting the time the loop
-has run and the rest of the current epoch at its pace. A probe goes on past its first window only
-while it is faster than the current mode, so it costs about one window where it loses. So a long
-epoch of cheap batches probes at once, and a short one of dear batches, where a probe would cost a
-visible share of it, does not probe at all. Each probe the current mode wins halves the share until
-the next switch, down to `BUDGET` over ``2 ** MAX_BACKOFF``: where the answer holds, looking again
-costs ever less, and a loop that changed is still looked at again within a bounded time.
+current mode's mean, and so are the batches around a switch it asked for, which no window measures
+(the thread filling its queue, or handing over what it made), and a probe starts only where its
+first window, at the bound above, keeps the charges within `BUDGET` of the loop's time, counting the
+time the loop has run and the rest of the current epoch at its pace. A probe goes on past its first
+window only while it is faster than the current mode, so it costs about one window where it loses.
+So a long epoch of cheap batches probes at once, and a short one of dear batches, where a probe
+would cost a visible share of it, does not probe at all. Each probe the current mode wins halves the
+share until the next switch, down to `BUDGET` over ``2 ** MAX_BACKOFF``: where the answer holds,
+looking again costs ever less, and a loop that changed is still looked at again within a bounded
+time.
 
 `Decision` is the decision alone, fed one window at a time, with no clock and no thread, so that
 it can be tested on numbers. The loader keeps one for its life: each epoch starts in the mode the
