@@ -192,9 +192,9 @@ class Decision:
     def unmeasured(self, seconds: float, batches: int) -> None:
         """The loop ran ``batches`` batches in ``seconds`` that no window measured: counted as
         the loop's time; and where they followed a switch this decision asked for (a probe's
-        start or end, or a switch it won), what they took beyond the current mode's pace is
-        charged to the probes. The thread's start at an epoch's second batch is not a probe's:
-        every epoch pays it, probes or none."""
+        start, or its end where it lost: a probe that wins needs no switch), what they took
+        beyond the current mode's pace is charged to the probes. The thread's start at an
+        epoch's second batch is not a probe's: every epoch pays it, probes or none."""
         self._elapsed += seconds
         if self._switched and self._history:
             self._spent += max(0.0, seconds - batches * statistics.fmean(self._history))
