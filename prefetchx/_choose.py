@@ -9,18 +9,24 @@ millisecond or more a batch. So the thread runs from a loader's second batch, an
 is tried (a *probe*) only where a probe is cheap next to the loop's time.
 
 The one figure that settles it is the loop's wall time per batch, ``next()`` and the step together,
-over windows of `WINDOW` batches. A probe runs the other mode for up to `PROBE` windows and holds
-their mean against the current mode's last `HISTORY` windows: it takes the other mode once that mean
-is below theirs by more than `Z` standard errors of the difference, and ends, lost, as soon as the
-mean is no lower than theirs, or after `PROBE` windows. The standard error is Welch's, each mode's
-windows weighed by their own spread: a thread that shares the GIL with the step makes its windows
-stray far more than the loop alone makes its own, and a spread borrowed from one mode would make the
-test too strict one way and too lax the other. So a probe switches after two windows at the earliest
-(one window has no spread). Where windows stray by 10% (normal), a mode 5% slower than the current
-one is taken in about 3 probes of 100, one 10% slower in 1, and one 30% faster in 98
-(``tests/test_choose.py`` counts them); a mode as fast is taken in about 1 of 10, which costs
-nothing, the two being alike. A machine busy with other work makes the windows stray, and the
-current mode stays.
+over windows of `WINDOW` batches. A probe runs the other mode for up to `PROBE` windows, each
+between two windows of the current mode (the last before the probe, then one after each probe
+window), and holds the probe windows' mean against the mean of the current windows around each:
+a drift of the loop's pace (a warm-up, a phase of the loop, the machine's other work, worker
+processes taking turns at the cores) moves both sides alike and cancels, where windows held
+against the ones before the probe alone took a slower mode for a faster one (traced on a loop
+with workers). It takes the other mode once the difference is below zero by more than `Z`
+standard errors, and ends, lost, once the difference is not below zero, or after `PROBE`
+windows. The standard error weighs each mode by its own spread (Welch's), the current mode's
+from its last `HISTORY` windows: a thread that shares the GIL with the step makes its windows
+stray far more than the loop alone makes its own, and a spread borrowed from one mode would make
+the test too strict one way and too lax the other. So a probe switches after two windows at the
+earliest (one window has no spread). Where windows stray by 10% (normal), a mode 5% slower than
+the current one is taken in about 3 probes of 100, one 10% slower in 1, and one 30% faster in 98;
+where the loop's pace drifts by 2% a window, the first two stay (a probe held against the windows
+before it alone took them in 14 and 7), and the last falls to 94 (``tests/test_choose.py`` counts
+them); a mode as fast is taken in about 1 of 10, which costs nothing, the two being alike. A
+machine busy with other work makes the windows stray, and the current mode stays.
 
 What a probe costs where it loses is bounded from the figures the current mode shows:
 
@@ -33,11 +39,12 @@ What a probe costs where it loses is bounded from the figures the current mode s
   period. Otherwise it is taken to cost at most the whole period a batch.
 
 Probes are paced by a ledger of what they cost: each probe window is charged what it took beyond the
-current mode's mean, and so are the batches around a switch it asked for, which no window measures
-(the thread filling its queue, or handing over what it made), and a probe starts only where its
-first window, at the bound above, keeps the charges within `BUDGET` of the loop's time, counting the
-time the loop has run and the rest of the current epoch at its pace. A probe goes on past its first
-window only while it is faster than the current mode, so it costs about one window where it loses.
+current mode's mean, and so are the batches around each switch it asked for, which no window
+measures (the thread filling its queue, or handing over what it made); a probe starts only where
+its first window and the batches around its two switches, in and out, each at the bound above,
+keep the charges within `BUDGET` of the loop's time, counting the time the loop has run and the
+rest of the current epoch at its pace. A probe goes on past its first window only while it is
+faster than the current mode, so it costs about one window and two switches where it loses.
 So a long epoch of cheap batches probes at once, and a short one of dear batches, where a probe
 would cost a visible share of it, does not probe at all. Each probe the current mode wins halves the
 share until the next switch, down to `BUDGET` over ``2 ** MAX_BACKOFF``: where the answer holds,
@@ -51,6 +58,7 @@ last one left.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import deque
@@ -129,6 +137,8 @@ class Decision:
         self._last: Window | None = None  # the last window taken, for its per-batch figures
         self._other: float | None = None  # the other mode's period, from its last windows
         self._switched = False  # the last window asked for the other mode: a switch under way
+        self._brackets: list[float] = []  # during a probe, the current mode's windows around it
+        self._switch_batches = 0  # batches a switch leaves unmeasured, as last seen
 
     @property
     def window_batches(self) -> int:
@@ -142,8 +152,10 @@ class Decision:
 
     @property
     def wanted(self) -> bool:
-        """Whether the thread should make the next batches: the other mode during a probe."""
-        return self.threaded != (self._probe is not None)
+        """Whether the thread should make the next batches: during a probe, the other mode and
+        the current one by turns, each window of the other between two of the current."""
+        probe = self._probe
+        return self.threaded != (probe is not None and len(probe) < len(self._brackets))
 
     @property
     def probing(self) -> bool:
@@ -158,15 +170,27 @@ class Decision:
         """
         if window.threaded != self.wanted:
             return self.wanted
-        self._last = window
         self._elapsed += window.period * window.batches
-        if self._probe is not None:
-            self._probed(window.period)
-        elif window.batches == self._measured_batches:
-            self._history.append(window.period)
-            if len(self._history) == HISTORY and self._affordable(window, 0):
-                self._probe = []
-        quiet = self._probe is None and not self._affordable(window, HISTORY)
+        probe, history = self._probe, self._history
+        if probe is not None and window.threaded != self.threaded:
+            # A probe's window: charged what it took beyond the current mode's pace.
+            probe.append(window.period)
+            self._spent += window.batches * max(0.0, window.period - statistics.fmean(history))
+        else:
+            self._last = window
+            if probe is not None:
+                self._brackets.append(window.period)
+                history.append(window.period)
+                self._judge()
+            elif window.batches == self._measured_batches:
+                history.append(window.period)
+                if len(history) == HISTORY and self._affordable(window, 0):
+                    self._probe, self._brackets = [], [window.period]
+        quiet = (
+            self._probe is None
+            and window.threaded == self.threaded
+            and not self._affordable(window, HISTORY)
+        )
         if self._quiet and not quiet:
             self._history.clear()  # held against windows of its own length, just before it
         self._quiet = quiet
@@ -190,18 +214,21 @@ class Decision:
                 self._history.clear()  # held against windows of its own length, just before it
 
     def unmeasured(self, seconds: float, batches: int) -> None:
-        """The loop ran ``batches`` batches in ``seconds`` that no window measured: counted as
-        the loop's time; and where they followed a switch this decision asked for (a probe's
-        start, or its end where it lost: a probe that wins needs no switch), what they took
-        beyond the current mode's pace is charged to the probes. The thread's start at an
-        epoch's second batch is not a probe's: every epoch pays it, probes or none."""
+        """The loop ran ``batches`` batches in ``seconds`` that no window measured, after a
+        switch: counted as the loop's time; and where the switch was one this decision asked
+        for (into a probe's window, or back out of it), what they took beyond the current mode's
+        pace is charged to the probes. The thread's start at an epoch's second batch is not a
+        probe's: every epoch pays it, probes or none. The batches are how many a switch leaves
+        unmeasured, which the next probe's price counts."""
         self._elapsed += seconds
+        self._switch_batches = batches
         if self._switched and self._history:
             self._spent += max(0.0, seconds - batches * statistics.fmean(self._history))
 
     def _affordable(self, window: Window, windows_ahead: int) -> bool:
         """Whether a probe after ``windows_ahead`` more windows keeps every probe's cost within
-        `BUDGET` of the loop's time (at the current pace)."""
+        `BUDGET` of the loop's time (at the current pace): its first window of the other mode,
+        and the batches around the two switches, in and out, each priced at the bound."""
         if window.threaded:
             known = [v for v in (window.step, window.produce) if not math.isnan(v)]
             if not known:
@@ -217,17 +244,22 @@ class Decision:
         if window.remaining is not None:
             horizon += window.remaining * window.period
         share = BUDGET / (1 << self._backoff)
-        return self._spent + batches * per_batch <= share * horizon
+        price = (batches + 2 * self._switch_batches) * per_batch
+        return self._spent + price <= share * horizon
 
-    def _probed(self, period: float) -> None:
-        probe = self._probe
+    def _judge(self) -> None:
+        """A probe's window of the other mode now has the current mode's on both sides: end
+        the probe, lost or won, or let it go on."""
+        probe, brackets = self._probe, self._brackets
         assert probe is not None  # probing
-        probe.append(period)
-        history = self._history
-        before, after = statistics.fmean(history), statistics.fmean(probe)
-        self._spent += self._measured_batches * max(0.0, period - before)
-        beyond_doubt = len(probe) >= 2 and after < before - Z * _welch(history, probe)
-        if after >= before or (not beyond_doubt and len(probe) == PROBE):
+        assert len(brackets) == len(probe) + 1  # each probe window between two current ones
+        n = len(probe)
+        after = statistics.fmean(probe)
+        # Each probe window against the mean of the two around it: a drift of the loop's pace
+        # shifts both alike, and cancels.
+        before = statistics.fmean((a + b) / 2 for a, b in itertools.pairwise(brackets))
+        beyond_doubt = n >= 2 and after < before - Z * _bracketed_error(probe, self._history)
+        if after >= before or (not beyond_doubt and n == PROBE):
             # Lost: no faster, or not faster beyond doubt. The current mode stays.
             self._probe = None
             self._other = after
@@ -239,8 +271,9 @@ class Decision:
         self._probe = None
         self._other = before
         self._backoff = 0
-        history.clear()
-        history.extend(probe)
+        self._last = None  # a window of the mode left: its figures do not price probes now
+        self._history.clear()
+        self._history.extend(probe)
         self.note = (
             ""
             if self.threaded
@@ -249,11 +282,15 @@ class Decision:
         )
 
 
-def _welch(first: Sequence[float], second: Sequence[float]) -> float:
-    """The standard error of the difference of the two samples' means, each weighed by its own
-    spread (Welch's); both have two values at least."""
+def _bracketed_error(probe: Sequence[float], current: Sequence[float]) -> float:
+    """The standard error of a bracketed probe's difference (`Decision._judge`): the mean of
+    ``n`` probe windows, less that of the ``n + 1`` current windows around them, the two at its
+    ends counted half. Each mode's spread is its own (Welch's): the probe's from its windows,
+    the current mode's from its last ones, ``current``. The current windows' weighted mean has
+    variance ``s**2 * (n - 1/2) / n**2``. Both have two values at least."""
+    n = len(probe)
     return math.sqrt(
-        statistics.variance(first) / len(first) + statistics.variance(second) / len(second)
+        statistics.variance(probe) / n + statistics.variance(current) * (n - 0.5) / n**2
     )
 
 
