@@ -24,7 +24,9 @@ Make = Callable[[type[DataLoader[Any]]], DataLoader[Any]]
 
 def draws() -> list[int]:
     """What a random augmentation draws: from torch's, Python's and numpy's global RNGs."""
+    # One Gaussian a draw from Python's too: it keeps every other one (``gauss_next``).
     out = [int(torch.randint(0, 10**6, ())), random.randrange(10**6)]
+    out.append(round(random.gauss(0.0, 1.0) * 10**6))
     if np is not None:
         # One Gaussian a draw: numpy keeps every other one from the draw before (has_gauss).
         out += [int(np.random.randint(0, 10**6)), round(float(np.random.randn()) * 10**6)]

@@ -4,18 +4,24 @@ run in the same test."""
 
 from __future__ import annotations
 
+import ctypes
+import random
+import struct
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from prefetchx import _workers
 from tests.resume_cases import (
     Augmented,
     Counted,
     Shards,
     build,
     interrupted_and_resumed,
+    np,
     resumed_twice,
     uninterrupted,
 )
@@ -146,3 +152,56 @@ def test_a_resumed_epoch_resumes_again_with_every_workers_draws(
 
     expected = uninterrupted(make, epochs=4)
     assert resumed_twice(make, epoch=1, first=first, second=second) == expected
+
+
+@pytest.fixture
+def fresh_worker(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A worker's note-taking state, new, in this process; its global generators put back."""
+    monkeypatch.setattr(_workers, "_current", _workers._Current())
+    saved = _workers.global_rngs()
+    yield
+    _workers.set_global_rngs(saved)
+
+
+@pytest.mark.usefixtures("fresh_worker")
+@pytest.mark.parametrize("layout_known", [True, False], ids=["raw-state", "getstate"])
+def test_a_note_carries_each_generator_state_that_changed_and_only_those(
+    layout_known: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker's note sends a generator's state only where it changed since the last note,
+    # read cheaply where Python's generator's layout is found, with getstate() where it is not.
+    if not layout_known:
+        monkeypatch.setattr(_workers, "_python_offset", -1)
+    first = _workers._read_rng()
+    assert first[0] == torch.get_rng_state().numpy().tobytes()
+    assert first[1] == random.getstate()
+    assert _workers._read_rng() == (None, None, None)  # nothing drawn
+    torch.rand(())
+    assert _workers._read_rng()[0] == torch.get_rng_state().numpy().tobytes()
+    random.random()
+    assert _workers._read_rng() == (None, random.getstate(), None)
+    random.gauss(0.0, 1.0)  # draws two Gaussians' worth, keeps one
+    assert _workers._read_rng()[1] == random.getstate()
+    kept = random.getstate()
+    random.gauss(0.0, 1.0)  # the kept one: no draw, the words and position unchanged
+    assert random.getstate() != kept
+    assert _workers._read_rng() == (None, random.getstate(), None)
+    if np is not None:
+        np.random.randint(10)
+        noted = _workers._read_rng()
+        assert noted[:2] == (None, None)
+        assert noted[2] is not None
+        assert np.array_equal(noted[2][1], np.random.get_state()[1])
+
+
+def test_the_raw_state_read_is_the_one_getstate_gives() -> None:
+    # Where the layout is found, the bytes read are the generator's position and words, as
+    # getstate() gives them, after draws too.
+    generator = random.Random(3)
+    offset = _workers._python_layout(generator)
+    assert offset > 0
+    for _ in range(3):
+        *words, position = generator.getstate()[1]
+        raw = ctypes.string_at(id(generator) + offset, 625 * 4)
+        assert raw == struct.pack(f"=i{len(words)}I", position, *words)
+        generator.random()
