@@ -74,11 +74,12 @@ halves the probes' share: where the answer holds, the loop is measured ever less
 costs it less (a window's end runs the decision's Python)."""
 
 HISTORY = 4
-"""The current mode's last windows a probe is held against. A loader's first probe waits for
-them, a loop with no work in the thread's mode all the while: the fewest with which the rates
-the module states hold (``tests/test_choose.py`` counts them, 8000 probes a rate: a mode 30%
-faster taken in 98.4 of 100, 99.2 with 6 windows, 96.8 with 3; one 10% slower in 0.7, 0.7 and
-1.2)."""
+"""The current mode's last windows, whose spread a probe's test weighs. A loader's first probe
+waits for them, a loop with no work in the thread's mode all the while. With the probe's windows
+held against the current ones around them, their number moves the rates the module states
+little (the simulation of ``tests/test_choose.py``, 8000 probes a rate: a mode 30% faster taken
+in 98.5 of 100 with 3, 4 or 6 windows; one 10% slower in 1.05, 0.8 and 0.75); 3 would start a
+loader's first probe a window sooner, a change not yet timed."""
 
 PROBE = 4
 """Windows of the other mode a probe measures, at most."""
